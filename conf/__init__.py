@@ -1,0 +1,1 @@
+"""Hydra configs, installed as the package diloco.conf (see pyproject.toml)."""

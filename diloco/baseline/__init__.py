@@ -1,0 +1,1 @@
+"""Baselines measured with the same tool and output format as DiLoCo: ddp and single."""

@@ -1,0 +1,1 @@
+"""Hydra entry points (the only modules that import hydra)."""

@@ -1,0 +1,32 @@
+"""Turning a hydra config into typed configs, and reporting config errors before any work."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from diloco.config import RunConfig, run_config_from_dict
+
+RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "chunk_bytes", "eval_every", "threads", "model", "data", "inner", "outer")
+
+
+def run_config(cfg: DictConfig) -> RunConfig:
+    plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    return run_config_from_dict({k: plain[k] for k in RUN_KEYS if k in plain})
+
+
+def section(cfg: DictConfig, name: str) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg[name], resolve=True)  # type: ignore[return-value]
+
+
+def run_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -1,0 +1,31 @@
+"""diloco-coordinator: the coordinator of a real multi-site run."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from diloco.cli.common import fail, run_config, run_dir, section
+from diloco.config import ConfigError
+from diloco.coordinator.run import CoordinatorOptions, run_coordinator
+from diloco.data import DataError
+
+
+@hydra.main(config_path="pkg://diloco.conf", config_name="coordinator", version_base=None)
+def _main(cfg: DictConfig) -> None:
+    try:
+        rc = run_config(cfg)
+        opts = CoordinatorOptions(**section(cfg, "coordinator"))
+        run_coordinator(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
+    except (ConfigError, TypeError) as e:
+        fail(f"bad config: {e}")
+    except DataError as e:
+        fail(f"bad data: {e}")
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""diloco-site: one site of a real multi-site run, pointed at a coordinator by config."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from diloco.cli.common import fail, run_config, run_dir, section
+from diloco.config import ConfigError
+from diloco.data import DataError
+from diloco.site.run import SiteOptions, run_site
+from diloco.transport import RemoteError
+
+
+@hydra.main(config_path="pkg://diloco.conf", config_name="site", version_base=None)
+def _main(cfg: DictConfig) -> None:
+    try:
+        rc = run_config(cfg)
+        s = section(cfg, "site")
+        opts = SiteOptions(site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]))
+        opts.data_shard(rc.sites)
+        run_site(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
+    except DataError as e:
+        fail(f"bad data: {e}")
+    except (ConfigError, ValueError) as e:
+        fail(f"bad config: {e}")
+    except RemoteError as e:
+        fail(f"the coordinator refused this site: {e}", code=1)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

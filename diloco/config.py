@@ -1,0 +1,100 @@
+"""The typed configuration of a run. Entry points turn hydra's config into these; library
+code takes only these (never a DictConfig). Every check names the field it rejects."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco.codec import CodecError, get_codec
+from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.data import DataConfig
+from diloco.model import ModelConfig, model_config
+from diloco.outer import OuterConfig
+from diloco.site.inner import InnerConfig
+
+MODES = ("diloco", "ddp", "single")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run's math; the same for the coordinator and every site.
+
+    mode: "diloco" (sites + coordinator), "ddp" (synchronous data parallel over ``sites``
+    processes) or "single" (one worker). Each worker runs rounds × sync_every inner steps.
+    """
+
+    mode: str = "diloco"
+    sites: int = 4
+    sync_every: int = 50
+    rounds: int = 10
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    codec: str = "fp32"
+    chunk_bytes: int = MAX_CHUNK_BYTES
+    eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
+    threads: int = 1  # torch intra-op threads per process
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}: must be one of {', '.join(MODES)}")
+        for name in ("sites", "sync_every", "rounds", "eval_every", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+        try:
+            get_codec(self.codec)
+        except CodecError as e:
+            raise ConfigError(f"codec={self.codec!r}: {e}") from None
+
+    @property
+    def workers(self) -> int:
+        return 1 if self.mode == "single" else self.sites
+
+    @property
+    def total_steps(self) -> int:
+        return self.rounds * self.sync_every
+
+
+def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
+    """Builds a RunConfig from plain data (a resolved hydra config or JSON); unknown keys fail."""
+    d = dict(d)
+    try:
+        model_d = dict(d.pop("model", {}) or {})
+        model = model_config(str(model_d.pop("name", "tiny")), **model_d)
+        data = _build(DataConfig, d.pop("data", {}), "data")
+        inner = _build(InnerConfig, d.pop("inner", {}), "inner")
+        outer = _build(OuterConfig, d.pop("outer", {}), "outer")
+        return _build(RunConfig, {**d, "model": model, "data": data, "inner": inner, "outer": outer}, "")
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _build(cls: type, values: Mapping[str, Any] | None, prefix: str) -> Any:
+    values = dict(values or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain, JSON-able data that run_config_from_dict turns back into ``cfg``."""
+    out = dataclasses.asdict(cfg)
+    out["outer"]["kwargs"] = dict(cfg.outer.kwargs)
+    return out

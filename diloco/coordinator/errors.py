@@ -1,0 +1,16 @@
+"""Errors the coordinator reports to a caller; the transport maps ``code`` to a gRPC status."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+ErrorCode = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range"]
+
+
+class CoordinatorError(Exception):
+    """A request was refused. Nothing in the coordinator's state changed."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,87 @@
+"""The coordinator process: θ_0 from the model config, a gRPC server, metrics, a final report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.coordinator.metrics import MetricsReporter
+from diloco.coordinator.service import Coordinator, CoordinatorConfig
+from diloco.data import eval_batches, load_corpus
+from diloco.io import write_json_atomic
+from diloco.model import build_model, count_params
+from diloco.site.inner import evaluate_bpb
+from diloco.transport import serve
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (written to port_file)
+    min_sites: int | None = None  # sites a round waits for; default: RunConfig.sites
+    linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
+    port_file: str | None = None
+
+
+def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serves rounds 0 .. cfg.rounds-1, then writes run_dir/global.json and returns its content."""
+    torch.set_num_threads(cfg.threads)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(cfg.model, cfg.seed)
+    corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
+    batches = eval_batches(corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
+    eval_params = dict(model.named_parameters())
+
+    def evaluate(params: dict[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            for name, p in eval_params.items():
+                p.copy_(params[name])
+        return evaluate_bpb(model, batches)
+
+    coordinator = Coordinator(
+        dict(model.named_parameters()),
+        cfg.outer,
+        CoordinatorConfig(
+            total_rounds=cfg.rounds,
+            min_sites=opts.min_sites or cfg.sites,
+            codec_down=cfg.codec,
+            chunk_bytes=cfg.chunk_bytes,
+            snapshot_every=cfg.eval_every,
+        ),
+    )
+    reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, log=log)
+    coordinator.on_commit.append(reporter.submit)
+    server, port = serve(coordinator, opts.host, opts.port)
+    start = time.monotonic()
+    try:
+        log(f"coordinator listening on {opts.host}:{port}: {count_params(model)} params, {cfg.rounds} rounds, waiting for {opts.min_sites or cfg.sites} site(s)")
+        if opts.port_file:
+            write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
+        finished_at: float | None = None
+        while not coordinator.wait_all_left(timeout_s=0.5):
+            if coordinator.finished:
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > opts.linger_s:
+                    log(f"not every site left within {opts.linger_s:.0f}s after the last round; stopping anyway")
+                    break
+        reporter.close()
+    finally:
+        server.stop(grace=2.0).wait(5.0)
+    result = {
+        "params": count_params(model),
+        "rounds_committed": coordinator.committed_rounds,
+        "global_sha256": coordinator.global_sha256(),
+        "final_eval_bpb": reporter.final_eval_bpb,
+        "site_reported_sha256": coordinator.left_sites(),
+        "wall_s": round(time.monotonic() - start, 3),
+        "port": port,
+    }
+    write_json_atomic(run_dir / "global.json", result)
+    log(f"coordinator done: {result['rounds_committed']} rounds, global sha256 {result['global_sha256'][:16]}")
+    return result

@@ -1,0 +1,280 @@
+"""Round bookkeeping of the coordinator: joins, pushes, commits, pulls.
+
+Threading: every public method may be called from any gRPC worker thread. One condition
+variable guards the round state; decoding a push happens outside it (in a staging buffer
+from a bounded pool), so memory is O(params × max_concurrent_pushes), never O(sites ×
+params), and a push that fails half-way leaves the round untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.codec import ChunkAssembler, CodecError, encode_chunks, get_codec
+from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.coordinator.errors import CoordinatorError
+from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.outer import OuterConfig, OuterOptimizer, WeightedMean, params_sha256
+from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    total_rounds: int
+    min_sites: int = 1  # a round closes once every joined site has pushed and at least this many did
+    codec_down: str = "fp32"
+    chunk_bytes: int = MAX_CHUNK_BYTES
+    max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
+    keep_updates: int = 4  # committed updates kept for PullUpdate; older ones need PullGlobal
+    snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
+
+    def __post_init__(self) -> None:
+        for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        get_codec(self.codec_down)
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one committed round; handed to ``on_commit`` listeners."""
+
+    round: int
+    participants: list[str]
+    tokens: int
+    inner_steps: int
+    bytes_up: int
+    train_loss: float | None
+    update_norm: float
+    global_sha256: str
+    wall_s: float  # from the round's opening (previous commit or start) to its commit
+    elapsed_s: float  # from coordinator start to this commit
+    params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+
+class Coordinator:
+    """Holds θ and the outer optimizer; runs rounds 0 .. total_rounds-1."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], outer: OuterConfig, cfg: CoordinatorConfig) -> None:
+        self.cfg = cfg
+        self.run_id = uuid.uuid4().hex[:12]
+        self._outer = OuterOptimizer(params, outer)
+        self._specs: dict[str, TensorSpec] = fingerprint(self._outer.params)
+        self._shapes = {n: p.shape for n, p in self._outer.params.items()}
+        self._cv = threading.Condition()
+        self._members: set[str] = set()
+        self._left: dict[str, str] = {}  # site id -> the hash it reported when leaving
+        self._open = 0
+        self._acc = WeightedMean(self._shapes)
+        self._pushes: dict[str, PushHeader] = {}
+        self._push_bytes = 0
+        self._participants: dict[int, list[str]] = {}
+        self._updates: dict[int, list[Chunk]] = {}
+        self._bytes_down: dict[int, int] = {}
+        self._hash = params_sha256(self._outer.params)
+        self._start = time.monotonic()
+        self._round_start = self._start
+        self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        for _ in range(cfg.max_concurrent_pushes):
+            self._staging.put({})
+        self.on_commit: list[Callable[[RoundRecord], None]] = []
+
+    # ---- read-only views -------------------------------------------------------------
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    @property
+    def committed_rounds(self) -> int:
+        with self._cv:
+            return self._open
+
+    @property
+    def finished(self) -> bool:
+        with self._cv:
+            return self._open >= self.cfg.total_rounds
+
+    def global_sha256(self) -> str:
+        with self._cv:
+            return self._hash
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        with self._cv:
+            return {n: p.clone() for n, p in self._outer.params.items()}
+
+    def bytes_down(self, round: int) -> int:
+        with self._cv:
+            return self._bytes_down.get(round, 0)
+
+    def left_sites(self) -> dict[str, str]:
+        with self._cv:
+            return dict(self._left)
+
+    def status(self) -> RoundStatus:
+        with self._cv:
+            return self._status()
+
+    def _status(self) -> RoundStatus:
+        return RoundStatus(self._open, self._open, self.cfg.total_rounds, self._hash)
+
+    # ---- membership ------------------------------------------------------------------
+    def join(self, site_id: str, specs: Iterable[TensorSpec]) -> JoinInfo:
+        if not site_id:
+            raise CoordinatorError("invalid_argument", "site_id must not be empty")
+        problems = mismatches(self._specs, specs)
+        if problems:
+            raise CoordinatorError("invalid_argument", f"model of site {site_id!r} does not match the coordinator's: " + "; ".join(problems))
+        with self._cv:
+            self._members.add(site_id)
+            self._left.pop(site_id, None)
+            return JoinInfo(open_round=self._open, total_rounds=self.cfg.total_rounds, run_id=self.run_id)
+
+    def leave(self, site_id: str, global_sha256: str) -> None:
+        with self._cv:
+            self._require_member(site_id)
+            self._left[site_id] = global_sha256
+            self._cv.notify_all()
+
+    def _require_member(self, site_id: str) -> None:
+        if site_id not in self._members:
+            raise CoordinatorError("failed_precondition", f"site {site_id!r} has not joined; call Join first")
+
+    # ---- pushes ----------------------------------------------------------------------
+    def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        """Accepts one site's whole pseudo-gradient for one round, or nothing of it."""
+        with self._cv:
+            duplicate = self._check_push(header)
+        if duplicate:
+            return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
+        staging = self._staging.get()
+        try:
+            assembler = ChunkAssembler(self._specs, out=staging)
+            try:
+                for chunk in chunks:
+                    if chunk.round != header.round:
+                        raise CodecError(f"chunk of {chunk.name!r} is for round {chunk.round}, header says {header.round}")
+                    assembler.add(chunk)
+                delta = assembler.finish()
+            except CodecError as e:
+                raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} for round {header.round} rejected: {e}") from None
+            with self._cv:
+                # The round may have moved on while we decoded; check again before touching it.
+                if self._check_push(header):
+                    return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
+                self._acc.add(delta, float(header.tokens))
+                self._pushes[header.site_id] = header
+                self._push_bytes += assembler.payload_bytes
+                record = self._maybe_commit()
+        finally:
+            self._staging.put(staging)
+        if record is not None:
+            for listener in self.on_commit:
+                listener(record)
+        return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=assembler.payload_bytes)
+
+    def _check_push(self, header: PushHeader) -> bool:
+        """Raises if the push cannot be taken; returns True for a harmless duplicate."""
+        self._require_member(header.site_id)
+        if header.tokens <= 0:
+            raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} declares tokens={header.tokens}; must be > 0")
+        if header.round >= self.cfg.total_rounds:
+            raise CoordinatorError("out_of_range", f"round {header.round} is past the last round ({self.cfg.total_rounds - 1}) of this run")
+        if header.round < self._open:
+            if header.site_id in self._participants.get(header.round, ()):
+                return True
+            raise CoordinatorError("failed_precondition", f"round {header.round} is already committed (open round is {self._open})")
+        if header.round > self._open:
+            raise CoordinatorError("failed_precondition", f"round {header.round} is not open (open round is {self._open})")
+        return header.site_id in self._pushes
+
+    def _maybe_commit(self) -> RoundRecord | None:
+        pushed = set(self._pushes)
+        if len(pushed) < self.cfg.min_sites or not self._members <= pushed:
+            return None
+        r = self._open
+        update = self._outer.step(self._acc.mean())
+        self._updates[r] = list(encode_chunks(update, codec=get_codec(self.cfg.codec_down), round=r, chunk_bytes=self.cfg.chunk_bytes))
+        for old in [k for k in self._updates if k <= r - self.cfg.keep_updates]:
+            del self._updates[old]
+        self._hash = params_sha256(self._outer.params)
+        now = time.monotonic()
+        headers = [self._pushes[s] for s in sorted(pushed)]
+        tokens = sum(h.tokens for h in headers)
+        every = self.cfg.snapshot_every
+        snapshot = (every > 0 and (r + 1) % every == 0) or r + 1 == self.cfg.total_rounds
+        record = RoundRecord(
+            round=r,
+            participants=sorted(pushed),
+            tokens=tokens,
+            inner_steps=sum(h.inner_steps for h in headers),
+            bytes_up=self._push_bytes,
+            train_loss=_weighted_loss(headers),
+            update_norm=float(torch.sqrt(sum((u.double() ** 2).sum() for u in update.values()))),
+            global_sha256=self._hash,
+            wall_s=now - self._round_start,
+            elapsed_s=now - self._start,
+            params={n: p.clone() for n, p in self._outer.params.items()} if snapshot else None,
+        )
+        self._participants[r] = record.participants
+        self._open = r + 1
+        self._round_start = now
+        self._acc = WeightedMean(self._shapes)
+        self._pushes = {}
+        self._push_bytes = 0
+        self._cv.notify_all()
+        return record
+
+    # ---- pulls -----------------------------------------------------------------------
+    def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:
+        """Blocks until ``round`` is committed or ``timeout_s`` passes; returns the status."""
+        with self._cv:
+            self._require_member(site_id)
+            self._cv.wait_for(lambda: self._open > round, timeout=max(0.0, timeout_s))
+            return self._status()
+
+    def pull_update(self, site_id: str, round: int) -> list[Chunk]:
+        """The encoded update of committed round ``round``."""
+        with self._cv:
+            self._require_member(site_id)
+            if round >= self._open:
+                raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
+            chunks = self._updates.get(round)
+            if chunks is None:
+                raise CoordinatorError("not_found", f"the update of round {round} is no longer kept; pull the global parameters instead")
+            self._bytes_down[round] = self._bytes_down.get(round, 0) + sum(len(c.payload) for c in chunks)
+            return chunks
+
+    def pull_global(self, site_id: str) -> list[Chunk]:
+        """θ after the last committed round, float32, tagged with the open round number."""
+        with self._cv:
+            self._require_member(site_id)
+            chunks = list(encode_chunks(self._outer.params, codec=get_codec("fp32"), round=self._open, chunk_bytes=self.cfg.chunk_bytes))
+            self._bytes_down[self._open] = self._bytes_down.get(self._open, 0) + sum(len(c.payload) for c in chunks)
+            return chunks
+
+    def round_settled(self, round: int) -> bool:
+        """True once no more pulls of ``round``'s update are expected: the next round is
+        committed (every participant has pulled it) or every site has left."""
+        with self._cv:
+            return self._open > round + 1 or (self._open > round and self._members <= set(self._left))
+
+    def wait_all_left(self, timeout_s: float) -> bool:
+        """After the last round: waits until every member has left; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._open >= self.cfg.total_rounds and self._members <= set(self._left), timeout=timeout_s)
+
+
+def _weighted_loss(headers: list[PushHeader]) -> float | None:
+    """Token-weighted mean of the reported inner losses; sites that report none (NaN) are skipped."""
+    finite = [h for h in headers if math.isfinite(h.train_loss)]
+    if not finite:
+        return None
+    return sum(h.train_loss * h.tokens for h in finite) / sum(h.tokens for h in finite)

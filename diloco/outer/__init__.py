@@ -1,0 +1,10 @@
+"""DiLoCo outer-loop math: pseudo-gradients, their weighted mean, and the outer step.
+
+Imports only torch. Parameters are dicts name -> float32 tensor.
+"""
+
+from diloco.outer.aggregate import WeightedMean
+from diloco.outer.optimizer import OuterConfig, OuterOptimizer
+from diloco.outer.pseudo_gradient import apply_update, params_sha256, pseudo_gradient
+
+__all__ = ["OuterConfig", "OuterOptimizer", "WeightedMean", "apply_update", "params_sha256", "pseudo_gradient"]

@@ -1,0 +1,65 @@
+"""The outer optimizer: treats the averaged pseudo-gradient as a gradient of θ."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Any torch.optim optimizer by class name; the default is DiLoCo's Nesterov SGD."""
+
+    name: str = "SGD"
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra constructor arguments
+
+    def __post_init__(self) -> None:
+        if not isinstance(getattr(torch.optim, self.name, None), type):
+            raise ValueError(f"outer.name={self.name!r}: not an optimizer class in torch.optim")
+        if not self.lr > 0:
+            raise ValueError(f"outer.lr={self.lr}: must be > 0")
+
+    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, self.name)
+        kwargs: dict[str, Any] = {"lr": self.lr, **dict(self.kwargs)}
+        if self.name == "SGD":
+            kwargs.setdefault("momentum", self.momentum)
+            kwargs.setdefault("nesterov", self.nesterov and self.momentum > 0)
+        return cls(params, **kwargs)
+
+
+class OuterOptimizer:
+    """Owns θ (float32, name -> tensor) and the outer optimizer state.
+
+    ``step(mean_delta)`` moves θ and returns the update u = θ_{r+1} − θ_r. θ_{r+1} is then
+    *defined* as θ_r + u (one float32 add), which is exactly what every site computes, so
+    the copies stay bit-identical even though θ_r + (θ' − θ_r) need not equal θ' in floats.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig) -> None:
+        self.names = sorted(params)
+        self.params = {n: params[n].detach().clone().float() for n in self.names}
+        self.cfg = cfg
+        self._opt = cfg.build([self.params[n] for n in self.names])
+
+    def step(self, mean_delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        before = {n: p.clone() for n, p in self.params.items()}
+        for n in self.names:
+            self.params[n].grad = mean_delta[n].detach().clone()
+        self._opt.step()
+        update = {}
+        for n in self.names:
+            p = self.params[n]
+            update[n] = p - before[n]
+            p.grad = None
+            p.copy_(before[n]).add_(update[n])  # θ_{r+1} := θ_r + u, as the sites compute it
+        return update
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": {n: p.clone() for n, p in self.params.items()}, "optimizer": self._opt.state_dict()}

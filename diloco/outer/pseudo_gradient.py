@@ -1,0 +1,37 @@
+"""Pseudo-gradients and applying updates to a copy of the global parameters."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import torch
+
+
+def pseudo_gradient(global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Δ = θ_global − θ_local, per parameter, in float32.
+
+    The sign matters: Δ points from the local parameters back to the global ones, like a
+    gradient, so an outer SGD step θ − lr·Δ with lr = 1 lands on the local parameters.
+    """
+    if global_params.keys() != local_params.keys():
+        diff = sorted(set(global_params) ^ set(local_params))
+        raise KeyError(f"global and local parameters differ in names: {diff[:5]}")
+    return {n: global_params[n].detach().float() - local_params[n].detach().float() for n in global_params}
+
+
+def apply_update(global_params: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> None:
+    """θ += u in place. Sites and the coordinator both call exactly this, so their copies
+    of θ stay bit-identical (same operands, same float32 add)."""
+    for name, u in update.items():
+        global_params[name].add_(u)
+
+
+def params_sha256(params: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over name, shape, dtype and raw bytes of each tensor, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        t = params[name].detach().contiguous().cpu()
+        h.update(f"{name}|{list(t.shape)}|{t.dtype}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,50 @@
+"""Entry point of one simulated process: ``python -m diloco.sim.child ROLE --config FILE ...``.
+
+The simulator writes the resolved RunConfig to JSON once and starts every process with it,
+so all processes agree on the math by construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from diloco.config import run_config_from_dict
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m diloco.sim.child")
+    p.add_argument("role", choices=["coordinator", "site", "worker"])
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--site-id", default="0")
+    p.add_argument("--coordinator", default="127.0.0.1:0")
+    p.add_argument("--port-file")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--init-file", type=Path)
+    args = p.parse_args(argv)
+    cfg = run_config_from_dict(json.loads(args.config.read_text()))
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    if args.role == "coordinator":
+        from diloco.coordinator.run import CoordinatorOptions, run_coordinator
+
+        run_coordinator(cfg, CoordinatorOptions(host="127.0.0.1", port=0, port_file=args.port_file), args.run_dir, log=log)
+    elif args.role == "site":
+        from diloco.site.run import SiteOptions, run_site
+
+        run_site(cfg, SiteOptions(site_id=args.site_id, coordinator=args.coordinator), args.run_dir, log=log)
+    else:
+        from diloco.baseline.data_parallel import run_data_parallel
+
+        run_data_parallel(cfg, rank=args.rank, world_size=args.world_size, init_file=args.init_file, run_dir=args.run_dir, log=log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Starts the processes of a simulated run, shows progress, and writes summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from diloco.config import RunConfig, run_config_to_dict
+from diloco.data import load_corpus
+from diloco.io import read_jsonl, write_json_atomic
+
+
+class SimError(RuntimeError):
+    """A simulated process failed or the run timed out; the message names the process."""
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes] = field(repr=False)
+
+
+def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, progress: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
+
+    Raises SimError if any process exits non-zero (naming it and its log) or on timeout; every
+    process started is stopped before this returns or raises.
+    """
+    say = progress or (lambda _msg: None)
+    run_dir = run_dir.resolve()
+    # Fail on bad data here, before any process starts (DataError names the path).
+    load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "global.json", "summary.json", "coordinator.port.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    config_path = run_dir / "config.json"
+    write_json_atomic(config_path, run_config_to_dict(cfg))
+    procs: list[_Proc] = []
+    start = time.monotonic()
+    base = [sys.executable, "-m", "diloco.sim.child"]
+    common = ["--config", str(config_path), "--run-dir", str(run_dir)]
+    try:
+        if cfg.mode == "diloco":
+            port_file = run_dir / "coordinator.port.json"
+            procs.append(_start("coordinator", base + ["coordinator", *common, "--port-file", str(port_file)], run_dir))
+            port = _wait_port(port_file, procs[0], deadline=start + 120)
+            address = f"127.0.0.1:{port}"
+            say(f"coordinator on {address}; starting {cfg.sites} site(s)")
+            for s in range(cfg.sites):
+                procs.append(_start(f"site {s}", base + ["site", *common, "--site-id", str(s), "--coordinator", address], run_dir))
+        else:
+            init_file = run_dir / "pg_init"
+            init_file.unlink(missing_ok=True)
+            for rank in range(cfg.workers):
+                args = ["worker", *common, "--rank", str(rank), "--world-size", str(cfg.workers), "--init-file", str(init_file)]
+                procs.append(_start(f"rank {rank}", base + args, run_dir))
+        _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=say)
+    finally:
+        _stop_all(procs)
+    summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start)
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary
+
+
+def _start(name: str, cmd: list[str], run_dir: Path) -> _Proc:
+    log_path = run_dir / "logs" / (name.replace(" ", "") + ".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "wb")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return _Proc(name, popen, log_path, log_file)
+
+
+def _wait_port(port_file: Path, coordinator: _Proc, deadline: float) -> int:
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(json.loads(port_file.read_text())["port"])
+        if coordinator.popen.poll() is not None:
+            raise SimError(_failure(coordinator))
+        time.sleep(0.05)
+    raise SimError(f"the coordinator did not start listening in time; see {coordinator.log_path}")
+
+
+def _failure(p: _Proc) -> str:
+    tail = p.log_path.read_text(errors="replace").strip().splitlines()[-5:] if p.log_path.exists() else []
+    lines = "\n    ".join(tail)
+    return f"{p.name} (pid {p.popen.pid}) exited with code {p.popen.returncode}; log: {p.log_path}\n    {lines}"
+
+
+def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: float, say: Callable[[str], None]) -> None:
+    shown = 0
+    metrics = run_dir / "metrics.jsonl"
+    while True:
+        for p in procs:
+            code = p.popen.poll()
+            if code not in (None, 0):
+                raise SimError(_failure(p))
+        lines = read_jsonl(metrics) if metrics.exists() else []
+        for line in lines[shown:]:
+            say(_progress_line(line, cfg))
+        shown = len(lines)
+        if all(p.popen.poll() == 0 for p in procs):
+            return
+        if time.monotonic() > deadline:
+            running = ", ".join(p.name for p in procs if p.popen.poll() is None)
+            raise SimError(f"timed out after {deadline - time.monotonic() + 0:.0f}s; still running: {running}")
+        time.sleep(0.2)
+
+
+def _progress_line(m: dict[str, Any], cfg: RunConfig) -> str:
+    ev = f"{m['eval_bpb']:.4f}" if m.get("eval_bpb") is not None else "  -   "
+    loss = f"{m['train_loss']:.4f}" if m.get("train_loss") is not None else "-"
+    return (
+        f"round {m['round'] + 1:>3}/{cfg.rounds}  workers {len(m['participants'])}  train_loss {loss}  "
+        f"eval_bpb {ev}  up {m['bytes_up'] / 1e6:8.2f} MB  down {m['bytes_down'] / 1e6:8.2f} MB  {m['elapsed_s']:7.1f} s"
+    )
+
+
+def _stop_all(procs: list[_Proc]) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.kill()
+    for p in procs:
+        try:
+            p.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        p.log_file.close()
+
+
+def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
+    global_info = json.loads((run_dir / "global.json").read_text())
+    workers = {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    site_hashes = {sid: w["global_sha256"] for sid, w in sorted(workers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
+    return {
+        "mode": cfg.mode,
+        "sites": cfg.workers,
+        "sync_every": cfg.sync_every,
+        "rounds": cfg.rounds,
+        "rounds_committed": global_info["rounds_committed"],
+        "model": cfg.model.name,
+        "codec": cfg.codec,
+        "seed": cfg.seed,
+        "params": global_info["params"],
+        "tokens": sum(m["tokens"] for m in metrics),
+        "final_eval_bpb": global_info["final_eval_bpb"],
+        "final_train_loss": metrics[-1]["train_loss"] if metrics else None,
+        "bytes_up": sum(m["bytes_up"] for m in metrics),
+        "bytes_down": sum(m["bytes_down"] for m in metrics),
+        "wall_s": round(wall_s, 3),
+        "global_sha256": global_info["global_sha256"],
+        "site_global_sha256": site_hashes,
+        "hashes_equal": all(h == global_info["global_sha256"] for h in site_hashes.values()),
+        "run_dir": str(run_dir),
+    }

@@ -1,0 +1,1 @@
+"""A site: the inner trainer and its half of the outer sync."""

@@ -1,0 +1,94 @@
+"""The inner trainer: AdamW with warmup + cosine, gradient clipping, optional bf16 autocast."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diloco.model import lm_loss
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    bf16: bool = False  # autocast forward/backward to bfloat16
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"inner.lr={self.lr}: must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"inner.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"inner.warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"inner.grad_clip={self.grad_clip}: must be >= 0")
+
+
+def lr_factor(step: int, total_steps: int, cfg: InnerConfig) -> float:
+    """Multiplier of cfg.lr at 0-based ``step``: linear warmup, then cosine to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms' gains or biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+class InnerTrainer:
+    """Runs inner steps on one model; its optimizer state lives as long as the trainer.
+
+    ``total_steps`` is the length of the whole run (rounds × H) for the lr schedule.
+    """
+
+    def __init__(self, model: nn.Module, cfg: InnerConfig, total_steps: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.optimizer = optimizer if optimizer is not None else build_inner_optimizer(model, cfg)
+        self.steps_done = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on a batch; returns the loss in nats per token."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * lr_factor(self.steps_done, self.total_steps, self.cfg)
+        self.model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            loss = lm_loss(self.model(x), y)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        return float(loss.detach())
+
+
+@torch.no_grad()
+def evaluate_bpb(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean held-out loss in bits per byte (tokens are bytes, so bpb = nats / ln 2)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        total += float(lm_loss(model(x), y)) * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / count / math.log(2)

@@ -1,0 +1,119 @@
+"""A site's half of the outer loop: join, push Δ, wait for the round, pull and apply u."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from diloco.codec import ChunkAssembler, encode_chunks, get_codec
+from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.coordinator.fingerprint import fingerprint
+from diloco.outer import apply_update, params_sha256, pseudo_gradient
+from diloco.transport import CoordinatorClient, RemoteError
+from diloco.types import JoinInfo, PushHeader
+
+
+class OuterSync:
+    """Keeps this site's copy of the global parameters θ and syncs the model with it.
+
+    The model's parameters are the local θ^s; after ``sync`` they are overwritten with the
+    new global θ (the inner optimizer's state is left alone: it stays with the site).
+    ``round_hashes`` records the hash of the site's θ after each round it took part in.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        client: CoordinatorClient,
+        site_id: str,
+        *,
+        codec: str = "fp32",
+        chunk_bytes: int = MAX_CHUNK_BYTES,
+        wait_poll_s: float = 30.0,
+        round_timeout_s: float = 3600.0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.client = client
+        self.site_id = site_id
+        self.codec = get_codec(codec)
+        self.chunk_bytes = chunk_bytes
+        self.wait_poll_s = wait_poll_s
+        self.round_timeout_s = round_timeout_s
+        self._log = log or (lambda _msg: None)
+        self._params = dict(model.named_parameters())
+        self._specs = fingerprint(self._params)
+        self.global_params: dict[str, torch.Tensor] = {}
+        self.round = 0
+        self.total_rounds = 0
+        self.round_hashes: dict[int, str] = {}
+        self.bytes_up = 0
+        self.bytes_down = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.round >= self.total_rounds
+
+    def join(self) -> JoinInfo:
+        """Registers with the coordinator and loads the whole global θ into the model."""
+        info = self.client.join(self.site_id, self._specs.values())
+        self.total_rounds = info.total_rounds
+        self._pull_global()
+        return info
+
+    def _pull_global(self) -> None:
+        chunks = self.client.pull_global(self.site_id)
+        assembler = ChunkAssembler(self._specs)
+        for c in chunks:
+            assembler.add(c)
+        self.global_params = assembler.finish()
+        self.bytes_down += assembler.payload_bytes
+        self.round = chunks[0].round if chunks else 0
+        self._load_global_into_model()
+
+    def _load_global_into_model(self) -> None:
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(self.global_params[name])
+
+    def sync(self, *, tokens: int, train_loss: float, inner_steps: int) -> str:
+        """Ends this site's round: pushes Δ = θ − θ^s, waits for the commit, applies u.
+
+        Blocks until the round is committed. Returns the hash of the new global θ.
+        """
+        r = self.round
+        delta = pseudo_gradient(self.global_params, self._params)
+        header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps)
+        result = self.client.push(header, encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
+        self.bytes_up += result.payload_bytes
+        self._wait_committed(r)
+        assembler = ChunkAssembler(self._specs)
+        for c in self.client.pull_update(self.site_id, r):
+            assembler.add(c)
+        apply_update(self.global_params, assembler.finish())
+        self.bytes_down += assembler.payload_bytes
+        self._load_global_into_model()
+        self.round = r + 1
+        digest = params_sha256(self.global_params)
+        self.round_hashes[r] = digest
+        return digest
+
+    def _wait_committed(self, r: int) -> None:
+        deadline = time.monotonic() + self.round_timeout_s
+        while True:
+            status = self.client.wait_round(self.site_id, r, self.wait_poll_s)
+            if status.committed_rounds > r:
+                return
+            if time.monotonic() > deadline:
+                raise RemoteError("DEADLINE_EXCEEDED", f"round {r} was not committed within {self.round_timeout_s:.0f}s")
+            self._log(f"site {self.site_id}: waiting for round {r} to close")
+
+    def global_sha256(self) -> str:
+        return params_sha256(self.global_params)
+
+    def leave(self) -> None:
+        self.client.leave(self.site_id, self.global_sha256())
+

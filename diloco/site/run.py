@@ -1,0 +1,72 @@
+"""The site process: its data shard, the inner trainer, and the outer sync every H steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.data import ShardSampler, load_corpus
+from diloco.io import write_json_atomic
+from diloco.model import build_model
+from diloco.site.inner import InnerTrainer
+from diloco.site.outer_sync import OuterSync
+from diloco.transport import CoordinatorClient
+
+
+@dataclass(frozen=True)
+class SiteOptions:
+    site_id: str = "0"
+    coordinator: str = "127.0.0.1:50051"
+    shard: int | None = None  # data shard (0 .. sites-1); default: the site id, if it is a number
+    connect_timeout_s: float = 120.0
+
+    def data_shard(self, num_shards: int) -> int:
+        shard = self.shard if self.shard is not None else int(self.site_id) if self.site_id.isdigit() else None
+        if shard is None or not 0 <= shard < num_shards:
+            raise ValueError(f"site.shard={shard}: set it to a data shard in 0..{num_shards - 1} for site {self.site_id!r}")
+        return shard
+
+
+def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains until the coordinator's last round; writes run_dir/workers/<site_id>.json."""
+    torch.set_num_threads(cfg.threads)
+    shard = opts.data_shard(cfg.sites)
+    corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
+    sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
+    model = build_model(cfg.model, cfg.seed)
+    trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_steps)
+    start = time.monotonic()
+    tokens = 0
+    with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as client:
+        sync = OuterSync(model, client, opts.site_id, codec=cfg.codec, chunk_bytes=cfg.chunk_bytes, log=log)
+        info = sync.join()
+        # A site that joins late starts its lr schedule where the run is.
+        trainer.steps_done = sync.round * cfg.sync_every
+        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites})")
+        while not sync.finished:
+            losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
+            round_tokens = cfg.sync_every * sampler.tokens_per_batch
+            digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
+            tokens += round_tokens
+            log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
+        sync.leave()
+    result = {
+        "site_id": opts.site_id,
+        "shard": shard,
+        "rounds": len(sync.round_hashes),
+        "tokens": tokens,
+        "inner_steps": trainer.steps_done,
+        "bytes_up": sync.bytes_up,
+        "bytes_down": sync.bytes_down,
+        "global_sha256": sync.global_sha256(),
+        "round_sha256": {str(r): h for r, h in sorted(sync.round_hashes.items())},
+        "wall_s": round(time.monotonic() - start, 3),
+    }
+    write_json_atomic(run_dir / "workers" / f"{opts.site_id}.json", result)
+    return result

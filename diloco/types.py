@@ -1,0 +1,63 @@
+"""Domain types that cross the wire. The transport converts them to and from protobuf
+(diloco/transport/serde.py); everything else in the project uses only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one parameter: the unit of a model fingerprint."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One encoded piece of one tensor: elements [offset, offset + numel) of its flat view."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    numel: int
+    codec: str
+    payload: bytes
+    round: int = 0
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """What a site says about its pseudo-gradient before the chunks follow."""
+
+    site_id: str
+    round: int
+    tokens: int  # tokens processed in the round: the site's averaging weight
+    train_loss: float  # mean inner loss over the round, nats per token
+    inner_steps: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    accepted: bool
+    duplicate: bool
+    round: int
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    open_round: int
+    total_rounds: int
+    run_id: str
+
+
+@dataclass(frozen=True)
+class RoundStatus:
+    committed_rounds: int  # rounds 0 .. committed_rounds - 1 are committed
+    open_round: int
+    total_rounds: int
+    global_sha256: str
