@@ -1,0 +1,18 @@
+"""DiLoCo: low-communication distributed training across far-apart sites.
+
+``DiLoCo`` (diloco.api) turns an existing training loop into a site; ``diloco-sim``,
+``diloco-coordinator`` and ``diloco-site`` are the command-line entry points.
+"""
+
+from typing import Any
+
+__all__ = ["DiLoCo"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing diloco.model or diloco.outer does not pull in grpc.
+    if name == "DiLoCo":
+        from diloco.api import DiLoCo
+
+        return DiLoCo
+    raise AttributeError(name)

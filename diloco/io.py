@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.config import RunConfig
 from diloco.data import ShardSampler, eval_batches, load_corpus
-from diloco.io import append_jsonl, write_json_atomic
+from diloco.io import append_jsonl, peak_rss_mb, write_json_atomic
 from diloco.model import build_model, count_params
 from diloco.outer import params_sha256
 from diloco.site.inner import InnerTrainer, evaluate_bpb
@@ -96,11 +96,12 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
         "bytes_down": grad_bytes_per_step // world_size * cfg.total_steps,
         "global_sha256": digest,
         "wall_s": round(time.monotonic() - start, 3),
+        "peak_rss_mb": peak_rss_mb(),
     }
     write_json_atomic(run_dir / "workers" / f"{rank}.json", result)
     if rank == 0:
         write_json_atomic(
             run_dir / "global.json",
-            {"params": params, "rounds_committed": cfg.rounds, "global_sha256": digest, "final_eval_bpb": final_eval, "wall_s": result["wall_s"]},
+            {"params": params, "rounds_committed": cfg.rounds, "global_sha256": digest, "final_eval_bpb": final_eval, "wall_s": result["wall_s"], "peak_rss_mb": peak_rss_mb()},
         )
     return result

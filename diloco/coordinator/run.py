@@ -14,7 +14,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.metrics import MetricsReporter
 from diloco.coordinator.service import Coordinator, CoordinatorConfig
 from diloco.data import eval_batches, load_corpus
-from diloco.io import write_json_atomic
+from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model, count_params
 from diloco.site.inner import evaluate_bpb
 from diloco.transport import serve
@@ -81,6 +81,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
         "site_reported_sha256": coordinator.left_sites(),
         "wall_s": round(time.monotonic() - start, 3),
         "port": port,
+        "peak_rss_mb": peak_rss_mb(),
     }
     write_json_atomic(run_dir / "global.json", result)
     log(f"coordinator done: {result['rounds_committed']} rounds, global sha256 {result['global_sha256'][:16]}")

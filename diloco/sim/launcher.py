@@ -112,7 +112,7 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
             return
         if time.monotonic() > deadline:
             running = ", ".join(p.name for p in procs if p.popen.poll() is None)
-            raise SimError(f"timed out after {deadline - time.monotonic() + 0:.0f}s; still running: {running}")
+            raise SimError(f"the run did not finish before sim.timeout_s; still running: {running}")
         time.sleep(0.2)
 
 
@@ -161,5 +161,6 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         "global_sha256": global_info["global_sha256"],
         "site_global_sha256": site_hashes,
         "hashes_equal": all(h == global_info["global_sha256"] for h in site_hashes.values()),
+        "peak_rss_mb": {"coordinator": global_info.get("peak_rss_mb"), **{sid: w.get("peak_rss_mb") for sid, w in workers.items()}},
         "run_dir": str(run_dir),
     }

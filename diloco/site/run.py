@@ -12,7 +12,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.data import ShardSampler, load_corpus
-from diloco.io import write_json_atomic
+from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.site.inner import InnerTrainer
 from diloco.site.outer_sync import OuterSync
@@ -67,6 +67,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         "global_sha256": sync.global_sha256(),
         "round_sha256": {str(r): h for r, h in sorted(sync.round_hashes.items())},
         "wall_s": round(time.monotonic() - start, 3),
+        "peak_rss_mb": peak_rss_mb(),
     }
     write_json_atomic(run_dir / "workers" / f"{opts.site_id}.json", result)
     return result
