@@ -80,7 +80,7 @@ class DiLoCo:
             self._client.close()
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
-        self._losses.append(float(loss))
+        self._losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
 
     @property
     def round(self) -> int:

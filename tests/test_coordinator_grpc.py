@@ -1,0 +1,148 @@
+"""The coordinator behind a real gRPC server on 127.0.0.1:0: good pushes, and every bad
+input refused with a status that says what was wrong, leaving θ unchanged."""
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from diloco.codec import encode_chunks, get_codec
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.fingerprint import fingerprint
+from diloco.outer import OuterConfig
+from diloco.transport import CoordinatorClient, RemoteError, serve
+from diloco.transport.pb import coordinator_pb2 as pb
+from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
+from diloco.types import Chunk, PushHeader, TensorSpec
+
+pytestmark = pytest.mark.timeout(60)
+FP32 = get_codec("fp32")
+
+
+def _theta() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"layer.w": torch.randn(4, 3, generator=g), "layer.b": torch.randn(3, generator=g)}
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Coordinator, CoordinatorClient]]:
+    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
+    server, port = serve(coord, "127.0.0.1", 0)
+    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
+    try:
+        yield coord, client
+    finally:
+        client.close()
+        server.stop(grace=None).wait(5)
+
+
+def _delta(scale: float = 0.1) -> dict[str, torch.Tensor]:
+    return {n: torch.full_like(t, scale) for n, t in _theta().items()}
+
+
+def _push(client: CoordinatorClient, site: str, round: int, delta: dict[str, torch.Tensor] | None = None, tokens: int = 10):
+    chunks = encode_chunks(delta if delta is not None else _delta(), codec=FP32, round=round)
+    return client.push(PushHeader(site_id=site, round=round, tokens=tokens, train_loss=1.0, inner_steps=1), chunks)
+
+
+def _join(client: CoordinatorClient, *sites: str) -> None:
+    for s in sites:
+        client.join(s, fingerprint(_theta()).values())
+
+
+def test_round_commits_when_every_site_pushed_and_sites_get_identical_theta(served) -> None:
+    coord, client = served
+    _join(client, "a", "b")
+    assert _push(client, "a", 0, _delta(0.1), tokens=10).accepted
+    assert coord.committed_rounds == 0
+    assert client.wait_round("a", 0, timeout_s=0.1).committed_rounds == 0  # times out, still open
+    assert _push(client, "b", 0, _delta(0.3), tokens=30).accepted
+    status = client.wait_round("a", 0, timeout_s=5)
+    assert status.committed_rounds == 1 and status.open_round == 1
+    # A repeated push for the committed round is acknowledged and ignored.
+    again = _push(client, "a", 0)
+    assert again.duplicate and not again.accepted
+    assert coord.committed_rounds == 1
+    # Applying the pulled update to θ_0 gives exactly the coordinator's θ_1.
+    theta = _theta()
+    for c in client.pull_update("a", 0):
+        theta[c.name].view(-1)[c.offset : c.offset + c.numel] += FP32.decode(c.payload, c.numel)
+    from diloco.outer import params_sha256
+
+    assert params_sha256(theta) == coord.global_sha256() == status.global_sha256
+    # Weighted mean: (0.1·10 + 0.3·30)/40 = 0.25; Nesterov first step moves θ by −0.7·(1.9·0.25).
+    torch.testing.assert_close(theta["layer.b"], _theta()["layer.b"] - 0.7 * 1.9 * 0.25)
+
+
+def _expect_refused(fn, code: str, *fragments: str) -> None:
+    with pytest.raises(RemoteError) as info:
+        fn()
+    assert info.value.code == code, info.value
+    for f in fragments:
+        assert f in info.value.message, info.value.message
+
+
+def _raw_push(client: CoordinatorClient, header: PushHeader, chunks: list[Chunk]):
+    return client.push(header, iter(chunks))
+
+
+def test_bad_pushes_are_refused_and_change_nothing(served) -> None:
+    coord, client = served
+    _join(client, "a", "b")
+    before = coord.global_sha256()
+    good = list(encode_chunks(_delta(), codec=FP32, round=0))
+    header = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1)
+
+    def with_first(**kw):
+        c = good[0]
+        fields = dict(name=c.name, shape=c.shape, dtype=c.dtype, offset=c.offset, numel=c.numel, codec=c.codec, payload=c.payload, round=c.round)
+        fields.update(kw)
+        return [Chunk(**fields)] + good[1:]
+
+    cases = [
+        (lambda: _raw_push(client, header, with_first(name="layer.nope")), "INVALID_ARGUMENT", ["unknown parameter 'layer.nope'"]),
+        (lambda: _raw_push(client, header, with_first(shape=(4,))), "INVALID_ARGUMENT", ["shape [3]", "chunk declares [4]"]),
+        (lambda: _raw_push(client, header, with_first(dtype="float16")), "INVALID_ARGUMENT", ["dtype float32", "float16"]),
+        (lambda: _raw_push(client, header, good[:1]), "INVALID_ARGUMENT", ["incomplete", "layer.w"]),
+        (lambda: _push(client, "a", 0, {n: torch.full_like(t, float("nan")) for n, t in _theta().items()}), "INVALID_ARGUMENT", ["non-finite"]),
+        (lambda: _push(client, "a", 1), "FAILED_PRECONDITION", ["round 1 is not open", "open round is 0"]),
+        (lambda: _push(client, "a", 7), "OUT_OF_RANGE", ["round 7"]),
+        (lambda: _push(client, "stranger", 0), "FAILED_PRECONDITION", ["'stranger' has not joined"]),
+        (lambda: _push(client, "a", 0, tokens=0), "INVALID_ARGUMENT", ["tokens=0"]),
+        (lambda: _raw_push(client, header, [Chunk(**{**good[0].__dict__, "round": 1})] + good[1:]), "INVALID_ARGUMENT", ["for round 1"]),
+    ]
+    for fn, code, fragments in cases:
+        _expect_refused(fn, code, *fragments)
+        assert coord.global_sha256() == before
+        assert coord.committed_rounds == 0
+    # The coordinator keeps serving: the refused pushes left no trace in the round.
+    assert _push(client, "a", 0).accepted
+    assert _push(client, "b", 0).accepted
+    assert coord.committed_rounds == 1
+
+
+def test_push_must_start_with_a_header(served) -> None:
+    coord, client = served
+    _join(client, "a")
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(client.address))
+    chunk = next(encode_chunks(_delta(), codec=FP32, round=0))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushDelta(iter([pb.PushMessage(chunk=pb.TensorChunk(name=chunk.name))]), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "PushHeader" in info.value.details()
+
+
+def test_join_refuses_a_mismatched_model_naming_the_differences(served) -> None:
+    _, client = served
+    specs = [TensorSpec("layer.w", (4, 4), "float32"), TensorSpec("layer.b", (3,), "float16"), TensorSpec("extra", (1,), "float32")]
+    _expect_refused(lambda: client.join("a", specs), "INVALID_ARGUMENT", "'layer.w'", "[4, 3]", "[4, 4]", "float16", "unexpected parameter 'extra'")
+
+
+def test_pulls_need_a_joined_site_and_a_committed_round(served) -> None:
+    _, client = served
+    _expect_refused(lambda: client.pull_global("ghost"), "FAILED_PRECONDITION", "'ghost' has not joined")
+    _join(client, "a")
+    _expect_refused(lambda: client.pull_update("a", 0), "FAILED_PRECONDITION", "round 0 is not committed")
+    chunks = client.pull_global("a")
+    assert {c.name for c in chunks} == set(_theta()) and all(c.round == 0 for c in chunks)

@@ -1,0 +1,94 @@
+"""The outer loop's math against values computed by hand, with no network."""
+
+import pytest
+import torch
+
+from diloco.outer import OuterConfig, OuterOptimizer, WeightedMean, apply_update, params_sha256, pseudo_gradient
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _inner_sgd(theta: float, grad: float, lr: float, steps: int) -> float:
+    for _ in range(steps):
+        theta -= lr * grad
+    return theta
+
+
+def test_pseudo_gradient_points_from_local_back_to_global() -> None:
+    g = {"w": torch.tensor([1.0, 2.0])}
+    local = {"w": torch.tensor([0.5, 2.5])}
+    delta = pseudo_gradient(g, local)
+    assert torch.equal(delta["w"], torch.tensor([0.5, -0.5]))  # θ − θ_local, not the reverse
+
+
+def test_two_rounds_two_sites_nesterov_trace_by_hand() -> None:
+    # θ0 = 1. Site A: constant gradient 1, site B: constant gradient 3; inner SGD lr 0.1, H = 2.
+    # Weights (tokens) 100 and 300. Outer: torch SGD, lr 0.7, momentum 0.9, Nesterov.
+    #   round 1: θ_A = 0.8, θ_B = 0.4 → Δ_A = 0.2, Δ_B = 0.6 → Δ = (0.2·100 + 0.6·300)/400 = 0.5
+    #            buf = 0.5; step = Δ + 0.9·buf = 0.95; θ1 = 1 − 0.7·0.95 = 0.335
+    #   round 2: Δ = 0.5 again; buf = 0.9·0.5 + 0.5 = 0.95; step = 0.5 + 0.9·0.95 = 1.355
+    #            θ2 = 0.335 − 0.7·1.355 = −0.6135
+    outer = OuterOptimizer({"w": torch.tensor([1.0])}, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+    expected = [0.335, -0.6135]
+    for r in range(2):
+        theta = float(outer.params["w"])
+        acc = WeightedMean({"w": torch.Size([1])})
+        for grad, tokens in ((1.0, 100), (3.0, 300)):
+            local = {"w": torch.tensor([_inner_sgd(theta, grad, 0.1, 2)])}
+            acc.add(pseudo_gradient(outer.params, local), tokens)
+        assert float(acc.mean()["w"]) == pytest.approx(0.5, abs=1e-6)
+        update = outer.step(acc.mean())
+        assert float(outer.params["w"]) == pytest.approx(expected[r], abs=1e-6)
+        assert float(update["w"]) == pytest.approx(expected[r] - theta, abs=1e-6)
+
+
+def test_outer_sgd_lr1_no_momentum_lands_on_the_mean_local_params() -> None:
+    theta = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    outer = OuterOptimizer(theta, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+    local = {n: t + 0.01 * torch.randn_like(t) for n, t in theta.items()}
+    outer.step(pseudo_gradient(theta, local))
+    for n in theta:
+        torch.testing.assert_close(outer.params[n], local[n], rtol=0, atol=1e-6)
+
+
+def test_site_copy_stays_bit_identical_to_the_coordinator() -> None:
+    torch.manual_seed(0)
+    theta = {"a": torch.randn(64, 33), "b": torch.randn(129)}
+    outer = OuterOptimizer(theta, OuterConfig())
+    site_copy = {n: t.clone() for n, t in theta.items()}
+    for _ in range(5):
+        delta = {n: 1e-3 * torch.randn_like(t) for n, t in theta.items()}
+        update = outer.step(delta)
+        apply_update(site_copy, update)
+        assert params_sha256(site_copy) == params_sha256(outer.params)
+
+
+def test_weighted_mean_uses_token_weights_and_rejects_bad_weights() -> None:
+    acc = WeightedMean({"x": torch.Size([2])})
+    acc.add({"x": torch.tensor([1.0, 0.0])}, 1)
+    acc.add({"x": torch.tensor([0.0, 4.0])}, 3)
+    torch.testing.assert_close(acc.mean()["x"], torch.tensor([0.25, 3.0]))
+    with pytest.raises(ValueError, match="weight"):
+        acc.add({"x": torch.zeros(2)}, 0)
+    with pytest.raises(ValueError, match="no contributions"):
+        WeightedMean({"x": torch.Size([2])}).mean()
+
+
+def test_outer_optimizer_by_name_and_bad_names() -> None:
+    outer = OuterOptimizer({"w": torch.ones(3)}, OuterConfig(name="Adam", lr=0.1, kwargs={"betas": (0.9, 0.99)}))
+    outer.step({"w": torch.ones(3)})
+    assert torch.all(outer.params["w"] < 1.0)  # a positive pseudo-gradient moves θ down
+    with pytest.raises(ValueError, match="outer.name"):
+        OuterConfig(name="NoSuchOptimizer")
+    with pytest.raises(ValueError, match="outer.lr"):
+        OuterConfig(lr=0.0)
+
+
+def test_params_sha256_depends_on_names_values_and_shapes() -> None:
+    a = {"w": torch.zeros(2, 3)}
+    assert params_sha256(a) == params_sha256({"w": torch.zeros(2, 3)})
+    assert params_sha256(a) != params_sha256({"w": torch.zeros(3, 2)})
+    assert params_sha256(a) != params_sha256({"v": torch.zeros(2, 3)})
+    b = {"w": torch.zeros(2, 3)}
+    b["w"][1, 2] = 1e-30
+    assert params_sha256(a) != params_sha256(b)
