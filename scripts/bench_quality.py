@@ -233,7 +233,7 @@ def _f(x: float | None, fmt: str = ".4f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def print_table(agg: dict[str, Any], rounds: int) -> None:
+def print_table(agg: dict[str, Any]) -> None:
     print()
     print("=" * 100)
     print(f"{'mode':<7} {'bpb median':>10} {'bpb mean':>9}  {'per seed':<30} {'tokens':>10} {'bytes_up/round':>15} {'wall median s':>13}")
@@ -265,13 +265,13 @@ def print_table(agg: dict[str, Any], rounds: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
     plan = [(mode, seed) for seed in args.seed_list for mode in args.mode_list]
     try:
         configs = {(mode, seed): build_config(args, mode, seed) for mode, seed in plan}
     except ConfigError as e:
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)
     first = next(iter(configs.values()))
     print(
         f"bench_quality: model={first.model.name} sites={first.sites} H={first.sync_every} rounds={first.rounds} "
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(results_path, {"meta": meta, "runs": runs, "aggregate": aggregate(runs, args.mode_list)})
     agg = aggregate(runs, args.mode_list)
     write_json_atomic(results_path, {"meta": meta, "runs": runs, "aggregate": agg})
-    print_table(agg, first.rounds)
+    print_table(agg)
     print(f"results: {results_path}")
     return 1 if any("error" in r for r in runs) else 0
 

@@ -92,3 +92,16 @@ def test_params_sha256_depends_on_names_values_and_shapes() -> None:
     b = {"w": torch.zeros(2, 3)}
     b["w"][1, 2] = 1e-30
     assert params_sha256(a) != params_sha256(b)
+
+
+def test_weighted_mean_does_not_depend_on_the_order_of_arrival() -> None:
+    g = torch.Generator().manual_seed(3)
+    deltas = [{"x": torch.randn(200_000, generator=g) * 10.0 ** float(torch.randint(-4, 2, (1,), generator=g))} for _ in range(6)]
+    weights = [4096, 8192, 4096, 12288, 2048, 4096]
+    results = []
+    for order in ([0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 0, 5, 1, 3, 4]):
+        acc = WeightedMean({"x": torch.Size([200_000])})
+        for i in order:
+            acc.add(deltas[i], weights[i])
+        results.append(acc.mean()["x"])
+    assert all(torch.equal(results[0], r) for r in results[1:])

@@ -52,7 +52,8 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     batches = eval_batches(corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches) if rank == 0 else []
     # What an fp32 gradient all-reduce moves per step, counted like DiLoCo's push and pull:
     # every rank sends its whole gradient up and receives the whole mean down.
-    grad_bytes_per_step = 4 * params * world_size
+    # One worker (mode=single) communicates nothing.
+    grad_bytes_per_step = 4 * params * world_size if distributed else 0
     start = time.monotonic()
     round_start = start
     final_eval: float | None = None
@@ -78,6 +79,7 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
                     "bytes_down": grad_bytes_per_step * cfg.sync_every,
                     "train_loss": float(loss),
                     "eval_bpb": eval_bpb,
+                    "update_norm": None,  # no outer update in the baselines
                     "global_sha256": params_sha256(dict(model.named_parameters())),
                     "wall_s": round(now - round_start, 4),
                     "elapsed_s": round(now - start, 4),

@@ -9,13 +9,17 @@ from typing import Any, NoReturn
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.config import RunConfig, run_config_from_dict
+from diloco.config import ConfigError, RunConfig, run_config_from_dict
 
 RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "chunk_bytes", "eval_every", "threads", "model", "data", "inner", "outer")
 
 
-def run_config(cfg: DictConfig) -> RunConfig:
+def run_config(cfg: DictConfig, sections: tuple[str, ...]) -> RunConfig:
+    """The RunConfig of a hydra config whose other top-level keys must be in ``sections``."""
     plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    unknown = sorted(set(plain) - set(RUN_KEYS) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
     return run_config_from_dict({k: plain[k] for k in RUN_KEYS if k in plain})
 
 

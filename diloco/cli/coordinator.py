@@ -14,7 +14,7 @@ from diloco.data import DataError
 @hydra.main(config_path="pkg://diloco.conf", config_name="coordinator", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg)
+        rc = run_config(cfg, ("coordinator",))
         opts = CoordinatorOptions(**section(cfg, "coordinator"))
         run_coordinator(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
     except (ConfigError, TypeError) as e:

@@ -16,7 +16,7 @@ from diloco.sim.launcher import SimError, run_simulation
 @hydra.main(config_path="pkg://diloco.conf", config_name="sim", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg)
+        rc = run_config(cfg, ("sim",))
     except ConfigError as e:
         fail(f"bad config: {e}")
     out = run_dir()

@@ -15,7 +15,7 @@ from diloco.transport import RemoteError
 @hydra.main(config_path="pkg://diloco.conf", config_name="site", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg)
+        rc = run_config(cfg, ("site",))
         s = section(cfg, "site")
         opts = SiteOptions(site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]))
         opts.data_shard(rc.sites)

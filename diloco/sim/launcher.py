@@ -161,6 +161,10 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         "global_sha256": global_info["global_sha256"],
         "site_global_sha256": site_hashes,
         "hashes_equal": all(h == global_info["global_sha256"] for h in site_hashes.values()),
-        "peak_rss_mb": {"coordinator": global_info.get("peak_rss_mb"), **{sid: w.get("peak_rss_mb") for sid, w in workers.items()}},
+        # Per process, in MiB; in the baselines rank 0 plays the coordinator's part in global.json.
+        "peak_rss_mb": {
+            **({"coordinator": global_info.get("peak_rss_mb")} if cfg.mode == "diloco" else {}),
+            **{sid: w.get("peak_rss_mb") for sid, w in workers.items()},
+        },
         "run_dir": str(run_dir),
     }

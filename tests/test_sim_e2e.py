@@ -1,0 +1,454 @@
+"""End-to-end tests of diloco-sim: real processes, real gRPC, real files in the run dir.
+
+Every run uses the tiny model and a handful of small steps, so each one takes seconds. Runs
+that several tests look at are module-scoped fixtures. Every CLI call goes through a
+subprocess with a timeout; on timeout the whole process group (diloco-sim and the processes
+it started) is killed, so a hung run never outlives its test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONTEXT = 128  # the tiny model's sequence length (conf/model/tiny.yaml -> diloco/model.py)
+FP32 = 4  # bytes per parameter of an fp32 payload
+UNIFORM_BPB = 8.0  # bits per byte of a uniform guess over 256 byte values
+
+# Small runs: a DiLoCo round of 3 sites x 3 inner steps x 4 sequences.
+SITES, H, ROUNDS, BATCH = 3, 3, 3, 4
+SMALL = [f"sync_every={H}", f"rounds={ROUNDS}", f"data.batch_size={BATCH}", "eval_every=1", "sim.timeout_s=240"]
+
+METRIC_KEYS = {"round", "participants", "tokens", "bytes_up", "bytes_down", "train_loss", "eval_bpb", "global_sha256", "wall_s"}
+SUMMARY_KEYS = {
+    "mode", "sites", "sync_every", "rounds", "params", "tokens", "final_eval_bpb", "bytes_up", "bytes_down",
+    "wall_s", "global_sha256", "site_global_sha256", "hashes_equal", "peak_rss_mb",
+}  # fmt: skip
+
+
+def _sim_executable() -> str:
+    for candidate in (Path(sys.executable).parent / "diloco-sim", ROOT / ".venv" / "bin" / "diloco-sim"):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("diloco-sim")
+    if found is None:
+        pytest.skip("diloco-sim is not installed")
+    return found
+
+
+# ---- running the CLI -----------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self, name: str) -> Any:
+        return json.loads((self.run_dir / name).read_text())
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.json("summary.json")
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        return {p.stem: json.loads(p.read_text()) for p in sorted((self.run_dir / "workers").glob("*.json"))}
+
+    def describe(self) -> str:
+        logs = ""
+        log_dir = self.run_dir / "logs"
+        if log_dir.is_dir():
+            for p in sorted(log_dir.glob("*.log")):
+                logs += f"\n--- {p.name} (tail)\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+        return f"rc={self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}{logs}"
+
+
+def _kill_group(popen: subprocess.Popen[Any]) -> None:
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
+    """Runs ``diloco-sim OVERRIDES hydra.run.dir=RUN_DIR`` to the end (or kills it on timeout)."""
+    run_dir = run_dir.resolve()
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [_sim_executable(), *overrides, f"hydra.run.dir={run_dir}"]
+    popen = subprocess.Popen(
+        cmd, cwd=run_dir.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(popen)
+        stdout, stderr = popen.communicate()
+        pytest.fail(f"diloco-sim {' '.join(overrides)} did not finish within {timeout}s\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    finally:
+        _kill_group(popen)  # nothing of the run may outlive it
+    return Run(run_dir, popen.returncode, stdout, stderr)
+
+
+def run_ok(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
+    run = run_sim(run_dir, *overrides, timeout=timeout)
+    assert run.returncode == 0, run.describe()
+    return run
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# ---- /proc helpers (the site-death test) ---------------------------------------------
+
+
+def processes_of(run_dir: Path) -> dict[int, list[str]]:
+    """pid -> argv of every live process whose command line names ``run_dir``."""
+    needle = str(run_dir)
+    found: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        argv = raw.decode(errors="replace").split("\0")
+        if any(needle in arg for arg in argv):
+            found[int(entry.name)] = argv
+    return found
+
+
+def _is_site_process(argv: list[str], site_id: str) -> bool:
+    if "diloco.sim.child" not in argv or "site" not in argv or "--site-id" not in argv:
+        return False
+    i = argv.index("--site-id")
+    return i + 1 < len(argv) and argv[i + 1] == site_id
+
+
+# ---- shared runs -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_ok(tmp_path_factory.mktemp("diloco") / "run", "mode=diloco", f"sites={SITES}", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_ok(tmp_path_factory.mktemp("ddp") / "run", "mode=ddp", "sites=2", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    # sites=3 on purpose: mode=single ignores it and runs one worker.
+    return run_ok(tmp_path_factory.mktemp("single") / "run", "mode=single", "sites=3", "seed=0", *SMALL)
+
+
+def _check_common(run: Run, mode: str, workers: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Checks shared by every mode; returns (summary, metrics)."""
+    summary, metrics = run.summary, run.metrics
+    assert SUMMARY_KEYS <= summary.keys(), sorted(SUMMARY_KEYS - summary.keys())
+    assert summary["mode"] == mode
+    assert summary["sites"] == workers
+    assert summary["rounds"] == ROUNDS and summary["sync_every"] == H
+    assert summary["rounds_committed"] == ROUNDS
+    assert isinstance(summary["params"], int) and summary["params"] > 0
+    assert _finite(summary["final_eval_bpb"]) and 0 < summary["final_eval_bpb"] < UNIFORM_BPB
+    assert summary["wall_s"] > 0
+
+    assert len(metrics) == ROUNDS, metrics
+    assert [m["round"] for m in metrics] == list(range(ROUNDS))
+    ids = [str(i) for i in range(workers)]
+    for m in metrics:
+        assert METRIC_KEYS <= m.keys(), sorted(METRIC_KEYS - m.keys())
+        assert m["participants"] == ids
+        assert m["tokens"] == workers * H * BATCH * CONTEXT
+        assert _finite(m["train_loss"]) and m["train_loss"] > 0
+        assert _finite(m["eval_bpb"]) and 0 < m["eval_bpb"] < UNIFORM_BPB  # eval_every=1
+        assert len(m["global_sha256"]) == 64
+    assert summary["tokens"] == sum(m["tokens"] for m in metrics) == ROUNDS * workers * H * BATCH * CONTEXT
+    assert summary["bytes_up"] == sum(m["bytes_up"] for m in metrics)
+    assert summary["bytes_down"] == sum(m["bytes_down"] for m in metrics)
+    assert metrics[-1]["eval_bpb"] == summary["final_eval_bpb"]
+    assert metrics[-1]["global_sha256"] == summary["global_sha256"]
+    # Training moves the parameters every round, and (even in a few steps) lowers the loss.
+    assert len({m["global_sha256"] for m in metrics}) == ROUNDS
+    assert metrics[-1]["eval_bpb"] < metrics[0]["eval_bpb"]
+
+    site_hashes = summary["site_global_sha256"]
+    assert sorted(site_hashes) == ids
+    assert all(h == summary["global_sha256"] for h in site_hashes.values()), site_hashes
+    assert summary["hashes_equal"] is True
+    assert sorted(run.workers()) == ids
+    assert (run.run_dir / "logs").is_dir()
+    return summary, metrics
+
+
+# ---- 1. DiLoCo through gRPC ------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_diloco_three_sites_end_to_end(diloco_run: Run) -> None:
+    run = diloco_run
+    assert json.loads((run.run_dir / "config.json").read_text())["model"]["context"] == CONTEXT
+    summary, metrics = _check_common(run, "diloco", SITES)
+    params = summary["params"]
+    payload = SITES * params * FP32  # one fp32 copy of the parameters per site
+
+    for m in metrics:
+        assert m["bytes_up"] == payload, m
+        assert m["inner_steps"] == SITES * H
+    # Round 0 also carries each site's initial pull of θ_0; later rounds only the update.
+    assert metrics[0]["bytes_down"] >= payload
+    for m in metrics[1:]:
+        assert m["bytes_down"] == payload, m
+
+    # Each site's copy of θ is bit-identical to the coordinator's after EVERY round.
+    for site_id, w in run.workers().items():
+        assert w["global_sha256"] == summary["global_sha256"]
+        assert sorted(w["round_sha256"], key=int) == [str(r) for r in range(ROUNDS)], (site_id, w["round_sha256"])
+        for m in metrics:
+            assert w["round_sha256"][str(m["round"])] == m["global_sha256"], (site_id, m["round"])
+        assert w["tokens"] == ROUNDS * H * BATCH * CONTEXT
+        assert w["bytes_up"] == ROUNDS * params * FP32
+
+    logs = {p.name for p in (run.run_dir / "logs").iterdir()}
+    assert {"coordinator.log", "site0.log", "site1.log", "site2.log"} <= logs
+    assert "coordinator done: 3 rounds" in (run.run_dir / "logs" / "coordinator.log").read_text()
+    assert '"hashes_equal": true' in run.stdout
+
+
+# ---- 2. the baselines --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_ddp_and_single_same_format(ddp_run: Run, single_run: Run, diloco_run: Run) -> None:
+    ddp_summary, ddp_metrics = _check_common(ddp_run, "ddp", 2)
+    single_summary, single_metrics = _check_common(single_run, "single", 1)
+
+    # Same summary.json format in every mode.
+    assert ddp_summary.keys() == single_summary.keys() == diloco_run.summary.keys()
+    # ddp and single write the same metrics.jsonl format.
+    for m in ddp_metrics + single_metrics:
+        assert m.keys() == ddp_metrics[0].keys()
+
+    assert len(set(ddp_summary["site_global_sha256"].values())) == 1
+    assert single_summary["site_global_sha256"] == {"0": single_summary["global_sha256"]}
+    assert ddp_summary["params"] == single_summary["params"] == diloco_run.summary["params"]
+    for d, s in zip(ddp_metrics, single_metrics, strict=True):
+        assert d["tokens"] == 2 * s["tokens"]
+    assert ddp_summary["tokens"] == 2 * single_summary["tokens"]
+    # Two ranks on different shards do not end where one worker does.
+    assert ddp_summary["global_sha256"] != single_summary["global_sha256"]
+
+
+@pytest.mark.timeout(150)
+def test_baseline_metrics_keys_match_diloco(ddp_run: Run, single_run: Run, diloco_run: Run) -> None:
+    diloco_keys = diloco_run.metrics[0].keys()
+    assert ddp_run.metrics[0].keys() == diloco_keys
+    assert single_run.metrics[0].keys() == diloco_keys
+
+
+# ---- 3. seeds and determinism ------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_single_seed_determinism(single_run: Run, tmp_path: Path) -> None:
+    again = run_ok(tmp_path / "again", "mode=single", "sites=3", "seed=0", *SMALL)
+    other = run_ok(tmp_path / "other", "mode=single", "sites=3", "seed=1", *SMALL)
+    base = single_run.summary
+    assert again.summary["global_sha256"] == base["global_sha256"]
+    assert [m["global_sha256"] for m in again.metrics] == [m["global_sha256"] for m in single_run.metrics]
+    assert [m["train_loss"] for m in again.metrics] == [m["train_loss"] for m in single_run.metrics]
+    assert again.summary["final_eval_bpb"] == base["final_eval_bpb"]
+    assert other.summary["seed"] == 1 and base["seed"] == 0
+    assert other.summary["global_sha256"] != base["global_sha256"]
+    assert other.metrics[0]["global_sha256"] != single_run.metrics[0]["global_sha256"]
+
+
+@pytest.mark.timeout(150)
+def test_diloco_seed_determinism(tmp_path: Path) -> None:
+    # Many short rounds, so that two runs almost surely see a different push order somewhere.
+    args = ("mode=diloco", f"sites={SITES}", "sync_every=1", "rounds=5", f"data.batch_size={BATCH}", "eval_every=5", "seed=0")
+    a = run_sim(tmp_path / "a", *args)
+    b = run_sim(tmp_path / "b", *args)
+    for run in (a, b):
+        if run.returncode != 0 or not run.summary["hashes_equal"]:
+            raise RuntimeError(run.describe())
+    assert [m["global_sha256"] for m in a.metrics] == [m["global_sha256"] for m in b.metrics]
+    assert a.summary["global_sha256"] == b.summary["global_sha256"]
+
+
+# ---- 4. config errors fail fast ----------------------------------------------------------
+
+
+def _assert_failed_before_start(run: Run) -> None:
+    assert run.returncode != 0, run.describe()
+    assert not (run.run_dir / "metrics.jsonl").exists()
+    assert not (run.run_dir / "logs").exists()
+    assert not (run.run_dir / "config.json").exists()
+    assert not (run.run_dir / "workers").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("sync_every=0", ["sync_every"]),
+        ("sites=0", ["sites"]),
+        ("rounds=0", ["rounds"]),
+        ("model=huge", ["huge", "tiny", "small"]),
+        ("mode=bogus", ["mode", "bogus"]),
+        ("codec=bogus", ["codec", "bogus"]),
+        ("+colour=blue", ["unknown config key", "colour"]),
+    ],
+)
+def test_config_error_fails_fast(tmp_path: Path, override: str, expected: list[str]) -> None:
+    start = time.monotonic()
+    key = override.split("=")[0]
+    base = [o for o in ("sites=2", "sync_every=2", "rounds=2", "data.batch_size=4") if o.split("=")[0] != key]
+    run = run_sim(tmp_path / "run", *base, override, timeout=60)
+    _assert_failed_before_start(run)
+    for word in expected:
+        assert word in run.stderr, run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+    assert time.monotonic() - start < 45
+
+
+# ---- 5. data.path ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["missing", "empty_file", "empty_dir", "too_small"])
+def test_bad_data_path_fails_fast(tmp_path: Path, kind: str) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    if kind == "missing":
+        path = data / "no-such-corpus.txt"
+    elif kind == "empty_file":
+        path = data / "empty.txt"
+        path.write_bytes(b"")
+    elif kind == "empty_dir":
+        path = data / "empty-dir"
+        path.mkdir()
+    else:
+        path = data / "tiny.txt"
+        path.write_text(("To be, or not to be, that is the question. " * 3)[:100])
+        assert path.stat().st_size == 100
+    run = run_sim(tmp_path / "run", "mode=diloco", "sites=2", "sync_every=2", "rounds=2", "data.batch_size=4", f"data.path={path}", timeout=60)
+    _assert_failed_before_start(run)
+    assert str(path) in run.stderr, run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+
+
+PARAGRAPHS = [
+    "The river ran low that summer, and the mill stood silent for the first time in forty years. "
+    "Children walked along the dry bed collecting smooth stones, while their parents argued in the "
+    "square about whether the rain would ever come back.",
+    "In the evenings the old keeper lit the lamps one by one, counting them under his breath. He had "
+    "done it so long that he no longer needed the light to find the wicks, and he said the town "
+    "would be darker the day he stopped.",
+    "A letter arrived from the capital in late August. It was short and polite, and it promised "
+    "engineers, money and a new canal before the winter. Nobody believed a word of it, yet everyone "
+    "read it twice.",
+    "When the storm finally broke, it broke all at once: thunder over the hills, water pouring from "
+    "every roof, and the wheel of the mill turning again with a groan that could be heard from the "
+    "far end of the valley.",
+]
+
+
+@pytest.mark.timeout(120)
+def test_custom_data_directory(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    (corpus / "book2").mkdir(parents=True)
+    for i in range(3):
+        text = "\n\n".join(PARAGRAPHS[(i + k) % len(PARAGRAPHS)] + f" (Chapter {i}.{k}.)" for k in range(200))
+        target = corpus / ("book2" if i == 2 else ".") / f"part{i}.txt"
+        target.write_text(text + "\n", encoding="utf-8")
+    (corpus / ".hidden.txt").write_bytes(b"\x00\xff not text")
+    total = sum(p.stat().st_size for p in corpus.rglob("part*.txt"))
+    assert 100_000 < total < 2_000_000
+
+    sites, h, rounds = 2, 2, 2
+    run = run_ok(
+        tmp_path / "run", "mode=diloco", f"sites={sites}", f"sync_every={h}", f"rounds={rounds}", f"data.batch_size={BATCH}",
+        "eval_every=1", f"data.path={corpus}",
+    )  # fmt: skip
+    summary = run.summary
+    assert run.json("config.json")["data"]["path"] == str(corpus)
+    assert summary["mode"] == "diloco" and summary["sites"] == sites and summary["rounds_committed"] == rounds
+    assert summary["tokens"] == rounds * sites * h * BATCH * CONTEXT
+    assert _finite(summary["final_eval_bpb"]) and 0 < summary["final_eval_bpb"] < UNIFORM_BPB
+    assert summary["hashes_equal"] is True
+    assert [m["round"] for m in run.metrics] == list(range(rounds))
+
+
+# ---- 6. a site that dies -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_site_death_fails_run_and_cleans_up(tmp_path: Path) -> None:
+    run_dir = (tmp_path / "run").resolve()
+    out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    # Rounds of 150 inner steps take several seconds each, so the run is mid-round when we kill.
+    cmd = [
+        _sim_executable(), "mode=diloco", "sites=2", "sync_every=150", "rounds=3", f"data.batch_size={BATCH}",
+        "eval_every=3", "sim.timeout_s=150", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        popen = subprocess.Popen(cmd, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True)
+    try:
+        site_log = run_dir / "logs" / "site1.log"
+        deadline = time.monotonic() + 90
+        while not (site_log.exists() and "joined" in site_log.read_text(errors="replace")):
+            assert popen.poll() is None, f"diloco-sim exited early (rc={popen.returncode}): {err_path.read_text()}"
+            assert time.monotonic() < deadline, "site 1 did not join within 90 s"
+            time.sleep(0.1)
+
+        victims = [pid for pid, argv in processes_of(run_dir).items() if _is_site_process(argv, "1")]
+        assert len(victims) == 1, processes_of(run_dir)
+        others = [pid for pid, argv in processes_of(run_dir).items() if "diloco.sim.child" in argv and pid not in victims]
+        assert len(others) == 2, processes_of(run_dir)  # the coordinator and site 0
+        os.kill(victims[0], signal.SIGKILL)
+
+        try:
+            rc = popen.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("diloco-sim did not exit within 60 s of site 1 being killed")
+        output = out_path.read_text() + err_path.read_text()
+        assert rc != 0, output
+        assert "site 1" in output, output
+        assert "site 1" in err_path.read_text(), output
+        assert not (run_dir / "summary.json").exists()
+        leftovers = processes_of(run_dir)
+        assert not leftovers, f"processes of the run still alive after diloco-sim exited: {leftovers}"
+    finally:
+        _kill_group(popen)
+        for pid in processes_of(run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if popen.poll() is None:
+            popen.wait(timeout=10)
