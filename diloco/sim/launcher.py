@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +49,8 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
     write_json_atomic(config_path, run_config_to_dict(cfg))
     procs: list[_Proc] = []
     start = time.monotonic()
+    # SIGTERM must unwind through the finally below, which stops every child.
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if threading.current_thread() is threading.main_thread() else None
     base = [sys.executable, "-m", "diloco.sim.child"]
     common = ["--config", str(config_path), "--run-dir", str(run_dir)]
     try:
@@ -66,6 +71,8 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
         _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=say)
     finally:
         _stop_all(procs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start)
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
@@ -76,8 +83,22 @@ def _start(name: str, cmd: list[str], run_dir: Path) -> _Proc:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "wb")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
     return _Proc(name, popen, log_path, log_file)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGKILL it if the simulator dies, so that a
+    killed simulator never leaves a coordinator or sites behind (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _raise_on_sigterm(signum: int, _frame: object) -> None:
+    raise SimError(f"stopped by signal {signum}")
 
 
 def _wait_port(port_file: Path, coordinator: _Proc, deadline: float) -> int:
