@@ -45,7 +45,7 @@ def _sim_executable() -> str:
             return str(candidate)
     found = shutil.which("diloco-sim")
     if found is None:
-        pytest.skip("diloco-sim is not installed")
+        pytest.fail("diloco-sim is not installed: run scripts/test.sh, which installs the project")
     return found
 
 
