@@ -39,7 +39,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
-    codec: str = "fp32"
+    codec: str = "fp32"  # uplink (pseudo-gradient) codec, NAME or NAME+zstd
+    codec_down: str | None = None  # downlink (update) codec; None: the same as codec
+    error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
     chunk_bytes: int = MAX_CHUNK_BYTES
     eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
     threads: int = 1  # torch intra-op threads per process
@@ -53,10 +55,18 @@ class RunConfig:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
-        try:
-            get_codec(self.codec)
-        except CodecError as e:
-            raise ConfigError(f"codec={self.codec!r}: {e}") from None
+        for field_name in ("codec", "codec_down"):
+            value = getattr(self, field_name)
+            if value is None and field_name == "codec_down":
+                continue
+            try:
+                get_codec(value)
+            except CodecError as e:
+                raise ConfigError(f"{field_name}={value!r}: {e}") from None
+
+    @property
+    def downlink_codec(self) -> str:
+        return self.codec_down if self.codec_down is not None else self.codec
 
     @property
     def workers(self) -> int:

@@ -17,6 +17,13 @@ class Codec(Protocol):
     ``decode(encode(x), x.numel())`` returns a new float32 tensor of the same numel; lossy
     codecs return an approximation. ``max_chunk_numel(n_bytes)`` is the most elements whose
     encoding is guaranteed to fit in n_bytes, so chunks stay under the transport's limit.
+    ``encoded_size(numel)`` is the payload size this codec produces for numel elements
+    (exact, or an upper bound for entropy coders); ``max_encoded_size(numel)`` bounds the
+    payload of a valid encoding of numel elements under *any* parameters a sender may have
+    used (block size, density), which is what a decoder may allocate at most.
+    Codecs are stateless and deterministic; error feedback is the caller's job.
+    A decoder raises CodecError, never another exception, for a payload that does not
+    match numel; an encoder raises CodecError for input it cannot represent.
     """
 
     name: str
@@ -27,11 +34,25 @@ class Codec(Protocol):
 
     def max_chunk_numel(self, chunk_bytes: int) -> int: ...
 
+    def encoded_size(self, numel: int) -> int: ...
+
+    def max_encoded_size(self, numel: int) -> int: ...
+
 
 class Fp32Codec:
-    """Raw little-endian float32: the lossless reference."""
+    """Raw little-endian float32: the lossless reference. No header: 4 * numel bytes.
+
+    Non-finite values pass through unchanged (the receiver's assembler rejects them).
+    """
 
     name = "fp32"
+    byte_planes = (0, 4)  # for the zstd stage: no header, 4-byte elements
+
+    def encoded_size(self, numel: int) -> int:
+        return 4 * numel
+
+    def max_encoded_size(self, numel: int) -> int:
+        return 4 * numel
 
     def encode(self, flat: torch.Tensor) -> bytes:
         return flat.detach().to(torch.float32).contiguous().numpy().tobytes()
@@ -39,6 +60,8 @@ class Fp32Codec:
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         if len(payload) != 4 * numel:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel} for {numel} elements")
+        if numel == 0:  # torch.frombuffer refuses an empty buffer
+            return torch.zeros(0)
         # bytearray: torch.frombuffer needs a writable buffer to avoid a warning, and the
         # decoded tensor must own its memory once the message is gone.
         return torch.frombuffer(bytearray(payload), dtype=torch.float32)
@@ -47,7 +70,15 @@ class Fp32Codec:
         return max(1, chunk_bytes // 4)
 
 
+# Filled by diloco.codec.registry when the package is imported: every codec NAME and
+# NAME+zstd with default parameters. Payloads carry their own parameters, so a receiver
+# decodes with the default instance whatever block size or density the sender chose.
 _CODECS: dict[str, Codec] = {"fp32": Fp32Codec()}
+
+
+def register_codec(codec: Codec) -> None:
+    """Makes ``codec`` the one ``get_codec(codec.name)`` returns."""
+    _CODECS[codec.name] = codec
 
 
 def known_codecs() -> list[str]:

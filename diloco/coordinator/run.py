@@ -50,7 +50,8 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
         CoordinatorConfig(
             total_rounds=cfg.rounds,
             min_sites=opts.min_sites or cfg.sites,
-            codec_down=cfg.codec,
+            codec_down=cfg.downlink_codec,
+            error_feedback_down=cfg.error_feedback,
             chunk_bytes=cfg.chunk_bytes,
             snapshot_every=cfg.eval_every,
         ),

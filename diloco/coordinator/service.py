@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.codec import ChunkAssembler, CodecError, encode_chunks, get_codec
+from diloco.codec import ChunkAssembler, CodecError, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
@@ -31,6 +31,7 @@ class CoordinatorConfig:
     total_rounds: int
     min_sites: int = 1  # a round closes once every joined site has pushed and at least this many did
     codec_down: str = "fp32"
+    error_feedback_down: bool = True  # carry the downlink codec's error into the next update
     chunk_bytes: int = MAX_CHUNK_BYTES
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
     keep_updates: int = 4  # committed updates kept for PullUpdate; older ones need PullGlobal
@@ -80,6 +81,8 @@ class Coordinator:
         self._updates: dict[int, list[Chunk]] = {}
         self._bytes_down: dict[int, int] = {}
         self._hash = params_sha256(self._outer.params)
+        self._codec_down = get_codec(cfg.codec_down)
+        self._down_residual: dict[str, torch.Tensor] | None = None
         self._start = time.monotonic()
         self._round_start = self._start
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
@@ -200,8 +203,7 @@ class Coordinator:
         if len(pushed) < self.cfg.min_sites or not self._members <= pushed:
             return None
         r = self._open
-        update = self._outer.step(self._acc.mean())
-        self._updates[r] = list(encode_chunks(update, codec=get_codec(self.cfg.codec_down), round=r, chunk_bytes=self.cfg.chunk_bytes))
+        update = self._outer.step(self._acc.mean(), transmit=lambda u: self._transmit(r, u))
         for old in [k for k in self._updates if k <= r - self.cfg.keep_updates]:
             del self._updates[old]
         self._hash = params_sha256(self._outer.params)
@@ -231,6 +233,22 @@ class Coordinator:
         self._push_bytes = 0
         self._cv.notify_all()
         return record
+
+    def _transmit(self, r: int, proposed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Encodes round r's update once (kept for PullUpdate) and returns it decoded, exactly
+        as every site will decode it. The encoding error is carried into the next round's
+        update (server-side error feedback), so a lossy downlink loses nothing over time."""
+        if self._down_residual is not None:
+            proposed = {n: u + self._down_residual[n] for n, u in proposed.items()}
+        chunks = list(encode_chunks(proposed, codec=self._codec_down, round=r, chunk_bytes=self.cfg.chunk_bytes))
+        assembler = ChunkAssembler(self._specs)
+        for c in chunks:
+            assembler.add(c)
+        sent = assembler.finish()
+        if self.cfg.error_feedback_down and not is_lossless(self._codec_down.name):
+            self._down_residual = {n: proposed[n] - sent[n] for n in proposed}
+        self._updates[r] = chunks
+        return sent
 
     # ---- pulls -----------------------------------------------------------------------
     def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:

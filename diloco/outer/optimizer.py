@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +37,11 @@ class OuterConfig:
 class OuterOptimizer:
     """Owns θ (float32, name -> tensor) and the outer optimizer state.
 
-    ``step(mean_delta)`` moves θ and returns the update u = θ_{r+1} − θ_r. θ_{r+1} is then
-    *defined* as θ_r + u (one float32 add), which is exactly what every site computes, so
-    the copies stay bit-identical even though θ_r + (θ' − θ_r) need not equal θ' in floats.
+    ``step(mean_delta, transmit)`` runs the optimizer to propose an update u = θ' − θ_r,
+    passes it through ``transmit`` (encode and decode as the sites will receive it: ũ), and
+    *defines* θ_{r+1} := θ_r + ũ (one float32 add), which is exactly what every site computes
+    with the ũ it pulls. So the copies stay bit-identical even though θ_r + (θ' − θ_r) need not
+    equal θ' in floats, and even when the downlink codec is lossy.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig) -> None:
@@ -48,18 +50,26 @@ class OuterOptimizer:
         self.cfg = cfg
         self._opt = cfg.build([self.params[n] for n in self.names])
 
-    def step(self, mean_delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def step(
+        self,
+        mean_delta: Mapping[str, torch.Tensor],
+        transmit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """One outer step; returns the update ũ that was applied (what the sites apply)."""
         before = {n: p.clone() for n, p in self.params.items()}
         for n in self.names:
             self.params[n].grad = mean_delta[n].detach().clone()
         self._opt.step()
-        update = {}
+        proposed = {}
         for n in self.names:
             p = self.params[n]
-            update[n] = p - before[n]
+            proposed[n] = p - before[n]
             p.grad = None
-            p.copy_(before[n]).add_(update[n])  # θ_{r+1} := θ_r + u, as the sites compute it
-        return update
+            p.copy_(before[n])
+        sent = transmit(proposed) if transmit is not None else proposed
+        for n in self.names:
+            self.params[n].add_(sent[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
+        return sent
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": {n: p.clone() for n, p in self.params.items()}, "optimizer": self._opt.state_dict()}

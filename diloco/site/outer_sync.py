@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from diloco.codec import ChunkAssembler, encode_chunks, get_codec
+from diloco.codec import ChunkAssembler, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.fingerprint import fingerprint
 from diloco.outer import apply_update, params_sha256, pseudo_gradient
@@ -31,6 +31,7 @@ class OuterSync:
         site_id: str,
         *,
         codec: str = "fp32",
+        error_feedback: bool = True,
         chunk_bytes: int = MAX_CHUNK_BYTES,
         wait_poll_s: float = 30.0,
         round_timeout_s: float = 3600.0,
@@ -40,6 +41,9 @@ class OuterSync:
         self.client = client
         self.site_id = site_id
         self.codec = get_codec(codec)
+        # Uplink error feedback: what the codec dropped this round is added to the next Δ.
+        self.error_feedback = error_feedback and not is_lossless(codec)
+        self._residual: dict[str, torch.Tensor] | None = None
         self.chunk_bytes = chunk_bytes
         self.wait_poll_s = wait_poll_s
         self.round_timeout_s = round_timeout_s
@@ -86,8 +90,17 @@ class OuterSync:
         """
         r = self.round
         delta = pseudo_gradient(self.global_params, self._params)
+        if self._residual is not None:
+            delta = {n: d + self._residual[n] for n, d in delta.items()}
+        chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
+        if self.error_feedback:
+            sent = ChunkAssembler(self._specs)
+            for c in chunks:
+                sent.add(c)
+            decoded = sent.finish()
+            self._residual = {n: delta[n] - decoded[n] for n in delta}
         header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps)
-        result = self.client.push(header, encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
+        result = self.client.push(header, iter(chunks))
         self.bytes_up += result.payload_bytes
         self._wait_committed(r)
         assembler = ChunkAssembler(self._specs)

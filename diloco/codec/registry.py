@@ -1,0 +1,58 @@
+"""Every codec by name, and ``make_codec`` for non-default parameters.
+
+A payload carries its own parameters (block size, k and index format) in its header and
+zstd needs none to decode, so the wire name is just NAME or NAME+zstd: a receiver decodes
+with the default instance ``get_codec(name)`` whatever parameters the sender chose.
+"""
+
+from __future__ import annotations
+
+from diloco.codec.base import Codec, CodecError, Fp32Codec, register_codec
+from diloco.codec.blockwise import E3M0Codec, Int4Codec, Int8Codec
+from diloco.codec.floats import Bf16Codec, Fp16Codec
+from diloco.codec.topk import TopK2BitCodec
+from diloco.codec.zstd import ZstdCodec
+
+_BLOCKWISE = {"int8": Int8Codec, "int4": Int4Codec, "e3m0": E3M0Codec}
+_PLAIN = {"fp32": Fp32Codec, "fp16": Fp16Codec, "bf16": Bf16Codec}
+BASE_NAMES = (*_PLAIN, *_BLOCKWISE, "topk2bit")
+ZSTD_SUFFIX = "+zstd"
+
+
+def make_codec(name: str, *, block: int | None = None, density: float | None = None, zstd_level: int | None = None) -> Codec:
+    """A codec named ``name`` (NAME or NAME+zstd) with the given parameters.
+
+    ``block`` applies to int8 / int4 / e3m0, ``density`` to topk2bit, ``zstd_level`` to
+    +zstd names; a parameter the codec does not take is a ValueError, not ignored.
+    Unknown names raise CodecError listing the known ones.
+    """
+    base = name.removesuffix(ZSTD_SUFFIX)
+    zstd = base != name
+    if base not in BASE_NAMES:
+        known = ", ".join(n + s for n in BASE_NAMES for s in ("", ZSTD_SUFFIX))
+        raise CodecError(f"unknown codec {name!r}; known codecs: {known}")
+    if block is not None and base not in _BLOCKWISE:
+        raise ValueError(f"codec {name!r} takes no block size (only {', '.join(_BLOCKWISE)} do)")
+    if density is not None and base != "topk2bit":
+        raise ValueError(f"codec {name!r} takes no density (only topk2bit does)")
+    if zstd_level is not None and not zstd:
+        raise ValueError(f"codec {name!r} takes no zstd level (only NAME{ZSTD_SUFFIX} codecs do)")
+    if base in _BLOCKWISE:
+        inner: Codec = _BLOCKWISE[base](block)
+    elif base == "topk2bit":
+        inner = TopK2BitCodec() if density is None else TopK2BitCodec(density)
+    else:
+        inner = _PLAIN[base]()
+    if not zstd:
+        return inner
+    return ZstdCodec(inner) if zstd_level is None else ZstdCodec(inner, zstd_level)
+
+
+def is_lossless(name: str) -> bool:
+    """True for codecs whose decode(encode(x)) is exactly x (no error feedback needed)."""
+    return name.removesuffix(ZSTD_SUFFIX) == "fp32"
+
+
+for _name in BASE_NAMES:
+    register_codec(make_codec(_name))
+    register_codec(make_codec(_name + ZSTD_SUFFIX))
