@@ -68,23 +68,8 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
             eval_bpb = evaluate_bpb(model, batches) if last or (r + 1) % cfg.eval_every == 0 else None
             final_eval = eval_bpb if last else final_eval
             now = time.monotonic()
-            append_jsonl(
-                run_dir / "metrics.jsonl",
-                {
-                    "round": r,
-                    "participants": [str(i) for i in range(world_size)],
-                    "tokens": cfg.sync_every * sampler.tokens_per_batch * world_size,
-                    "inner_steps": cfg.sync_every * world_size,
-                    "bytes_up": grad_bytes_per_step * cfg.sync_every,
-                    "bytes_down": grad_bytes_per_step * cfg.sync_every,
-                    "train_loss": float(loss),
-                    "eval_bpb": eval_bpb,
-                    "update_norm": None,  # no outer update in the baselines
-                    "global_sha256": params_sha256(dict(model.named_parameters())),
-                    "wall_s": round(now - round_start, 4),
-                    "elapsed_s": round(now - start, 4),
-                },
-            )
+            line = _metrics_line(cfg, r, world_size, sampler.tokens_per_batch, grad_bytes_per_step, float(loss), eval_bpb, model)
+            append_jsonl(run_dir / "metrics.jsonl", {**line, "wall_s": round(now - round_start, 4), "elapsed_s": round(now - start, 4)})
             round_start = now
             log(f"{cfg.mode} round {r} done: train_loss={float(loss):.4f}" + (f" eval_bpb={eval_bpb:.4f}" if eval_bpb is not None else ""))
     digest = params_sha256(dict(model.named_parameters()))
@@ -107,3 +92,21 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
             {"params": params, "rounds_committed": cfg.rounds, "global_sha256": digest, "final_eval_bpb": final_eval, "wall_s": result["wall_s"], "peak_rss_mb": peak_rss_mb()},
         )
     return result
+
+
+def _metrics_line(
+    cfg: RunConfig, r: int, world_size: int, tokens_per_batch: int, grad_bytes_per_step: int, loss: float, eval_bpb: float | None, model: torch.nn.Module
+) -> dict[str, Any]:
+    """One block of sync_every steps, in the same format as a DiLoCo round."""
+    return {
+        "round": r,
+        "participants": [str(i) for i in range(world_size)],
+        "tokens": cfg.sync_every * tokens_per_batch * world_size,
+        "inner_steps": cfg.sync_every * world_size,
+        "bytes_up": grad_bytes_per_step * cfg.sync_every,
+        "bytes_down": grad_bytes_per_step * cfg.sync_every,
+        "train_loss": loss,
+        "eval_bpb": eval_bpb,
+        "update_norm": None,  # no outer update in the baselines
+        "global_sha256": params_sha256(dict(model.named_parameters())),
+    }
