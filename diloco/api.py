@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diloco.codec import CodecConfig
 from diloco.site.outer_sync import OuterSync
 from diloco.transport import CoordinatorClient
 
@@ -42,7 +43,7 @@ class DiLoCo:
         site_id: str,
         sync_every: int,
         tokens_per_step: int = 1,
-        codec: str = "fp32",
+        codec: CodecConfig | str = "fp32",
         connect_timeout_s: float = 120.0,
     ) -> None:
         if sync_every < 1:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.codec import CodecError, get_codec
+from diloco.codec import CodecConfig, codec_config
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.data import DataConfig
 from diloco.model import ModelConfig, model_config
@@ -39,8 +39,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
-    codec: str = "fp32"  # uplink (pseudo-gradient) codec, NAME or NAME+zstd
-    codec_down: str | None = None  # downlink (update) codec; None: the same as codec
+    codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
+    codec_down: CodecConfig | None = None  # downlink (update) encoding; None: the same as codec
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
     chunk_bytes: int = MAX_CHUNK_BYTES
     eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
@@ -60,12 +60,13 @@ class RunConfig:
             if value is None and field_name == "codec_down":
                 continue
             try:
-                get_codec(value)
-            except CodecError as e:
+                # Strings and mappings (plain data) become a CodecConfig; bad ones fail here.
+                object.__setattr__(self, field_name, codec_config(value))
+            except ValueError as e:
                 raise ConfigError(f"{field_name}={value!r}: {e}") from None
 
     @property
-    def downlink_codec(self) -> str:
+    def downlink_codec(self) -> CodecConfig:
         return self.codec_down if self.codec_down is not None else self.codec
 
     @property

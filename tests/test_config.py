@@ -15,6 +15,11 @@ pytestmark = pytest.mark.timeout(30)
         ({"rounds": -1}, "rounds=-1"),
         ({"mode": "allreduce"}, "mode='allreduce'"),
         ({"codec": "gzip"}, "codec='gzip'"),
+        ({"codec": {"name": "int8", "density": 0.1}}, "takes no density"),
+        ({"codec": {"name": "topk2bit", "density": 0}}, "density=0"),
+        ({"codec": {"name": "int8", "zstd": True, "zstd_level": 99}}, "zstd level=99"),
+        ({"codec": {"name": "int8", "speed": 1}}, "speed"),
+        ({"codec_down": "int9"}, "codec_down='int9'"),
         ({"model": {"name": "huge"}}, "model=huge"),
         ({"inner": {"lr": 0}}, "inner.lr"),
         ({"outer": {"name": "Nope"}}, "outer.name"),
@@ -34,3 +39,20 @@ def test_round_trip_and_workers() -> None:
     assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
     assert cfg.workers == 1 and cfg.model.d_model == 256
     assert RunConfig(sites=3).workers == 3 and RunConfig(rounds=4, sync_every=5).total_steps == 20
+
+
+def test_codec_group_and_downlink_default() -> None:
+    from diloco.codec import CodecConfig
+
+    cfg = run_config_from_dict({"codec": {"name": "int4", "block": 64, "zstd": True, "zstd_level": 5}})
+    codec = cfg.codec.build()
+    assert codec.name == "int4+zstd" and codec.inner.block == 64 and codec.level == 5
+    assert cfg.codec.describe() == "int4(block=64)+zstd(level=5)"
+    # The downlink defaults to the uplink's codec, parameters included; a name or a mapping overrides it.
+    assert cfg.downlink_codec == cfg.codec
+    assert run_config_from_dict({"codec": "int8", "codec_down": "bf16"}).downlink_codec == CodecConfig(name="bf16")
+    down = run_config_from_dict({"codec_down": {"name": "topk2bit", "density": 0.05}}).downlink_codec
+    assert down.build().density == 0.05
+    # zstd_level is carried by every shipped config but read only when zstd is on.
+    assert CodecConfig(name="fp16", zstd_level=3).build().name == "fp16"
+    assert run_config_from_dict(run_config_to_dict(cfg)) == cfg

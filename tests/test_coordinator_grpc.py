@@ -122,6 +122,45 @@ def test_bad_pushes_are_refused_and_change_nothing(served) -> None:
     assert coord.committed_rounds == 1
 
 
+def test_bad_codec_payloads_are_refused_and_change_nothing(served) -> None:
+    """Codec-level bad input, decoded chunk by chunk as the push streams in: a payload whose
+    header disagrees with the chunk, a truncated payload, an unknown codec, and zstd frames
+    that would inflate past what the declared elements can need (decompression bombs)."""
+    import zstandard
+
+    coord, client = served
+    _join(client, "a", "b")
+    before = coord.global_sha256()
+    header = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1)
+    int8 = get_codec("int8")
+    w = _delta()["layer.w"].reshape(-1)  # 12 elements; "layer.b" (3) sorts first
+    good = {c.name: c for c in encode_chunks(_delta(), codec=int8, round=0)}
+
+    def with_w(codec: str, payload: bytes) -> list[Chunk]:
+        c = good["layer.w"]
+        return [good["layer.b"], Chunk(name=c.name, shape=c.shape, dtype=c.dtype, offset=0, numel=12, codec=codec, payload=payload, round=0)]
+
+    bomb_declared = get_codec("fp32+zstd").encode(torch.zeros(1 << 20))  # frame says 4 MiB of content
+    undeclared = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(1 << 22))
+    bomb_undeclared = bomb_declared[:4] + undeclared  # same 4-byte codec header, a frame without a size
+    cases = [
+        (with_w("int8", int8.encode(w[:6])), ["int8 payload header declares 6 elements, the chunk declares 12"]),
+        (with_w("int4", int8.encode(w)), ["int4 payload starts with magic byte"]),
+        (with_w("int8", int8.encode(w)[:-3]), ["int8 payload has", "expected"]),
+        (with_w("gzip", int8.encode(w)), ["unknown codec 'gzip'", "int8"]),
+        (with_w("fp32+zstd", bomb_declared), ["declares 4194304 bytes of content", "refusing to inflate"]),
+        (with_w("fp32+zstd", bomb_undeclared), ["content over 48 bytes"]),
+    ]
+    for chunks, fragments in cases:
+        _expect_refused(lambda: _raw_push(client, header, chunks), "INVALID_ARGUMENT", "chunk of 'layer.w' at elements [0, 12)", *fragments)
+        assert coord.global_sha256() == before
+        assert coord.committed_rounds == 0
+    # The coordinator keeps serving, and an int8 round commits normally.
+    assert _raw_push(client, header, list(good.values())).accepted
+    assert _push(client, "b", 0).accepted
+    assert coord.committed_rounds == 1
+
+
 def test_push_must_start_with_a_header(served) -> None:
     coord, client = served
     _join(client, "a")

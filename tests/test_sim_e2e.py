@@ -320,7 +320,9 @@ def _assert_failed_before_start(run: Run) -> None:
         ("rounds=0", ["rounds"]),
         ("model=huge", ["huge", "tiny", "small"]),
         ("mode=bogus", ["mode", "bogus"]),
-        ("codec=bogus", ["codec", "bogus"]),
+        ("codec=bogus", ["codec", "bogus", "fp32", "int8", "int4", "e3m0", "topk2bit"]),
+        ("codec_down=bogus", ["codec_down", "bogus", "fp32", "int8", "topk2bit"]),
+        ("codec.block=0", ["codec", "block=0"]),
         ("+colour=blue", ["unknown config key", "colour"]),
     ],
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -40,6 +40,17 @@ def encode_chunks(
             )
 
 
+def encoded_bytes(numels: Iterable[int], *, codec: Codec, chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """The payload bytes ``encode_chunks`` produces for tensors of these element counts:
+    ``encoded_size`` chunk by chunk (exact, except an upper bound for +zstd codecs)."""
+    step = codec.max_chunk_numel(chunk_bytes)
+    total = 0
+    for n in numels:
+        for offset in range(0, max(n, 1), step):
+            total += codec.encoded_size(min(step, n - offset))
+    return total
+
+
 class ChunkAssembler:
     """Decodes a stream of chunks into whole float32 tensors, checking every header.
 
@@ -75,7 +86,10 @@ class ChunkAssembler:
                 f"chunk of {chunk.name!r} covers elements [{chunk.offset}, {chunk.offset + chunk.numel}) "
                 f"of a tensor with {numel}"
             )
-        values = get_codec(chunk.codec).decode(chunk.payload, chunk.numel)
+        try:
+            values = get_codec(chunk.codec).decode(chunk.payload, chunk.numel)
+        except CodecError as e:
+            raise CodecError(f"chunk of {chunk.name!r} at elements [{chunk.offset}, {chunk.offset + chunk.numel}): {e}") from None
         if not torch.isfinite(values).all():
             bad = int((~torch.isfinite(values)).sum())
             raise CodecError(f"non-finite values in {chunk.name!r}: {bad} of {chunk.numel} in this chunk")

@@ -29,8 +29,7 @@ def make_codec(name: str, *, block: int | None = None, density: float | None = N
     base = name.removesuffix(ZSTD_SUFFIX)
     zstd = base != name
     if base not in BASE_NAMES:
-        known = ", ".join(n + s for n in BASE_NAMES for s in ("", ZSTD_SUFFIX))
-        raise CodecError(f"unknown codec {name!r}; known codecs: {known}")
+        raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(BASE_NAMES)} (each also as NAME{ZSTD_SUFFIX})")
     if block is not None and base not in _BLOCKWISE:
         raise ValueError(f"codec {name!r} takes no block size (only {', '.join(_BLOCKWISE)} do)")
     if density is not None and base != "topk2bit":

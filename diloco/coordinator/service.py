@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.codec import ChunkAssembler, CodecError, encode_chunks, get_codec, is_lossless
+from diloco.codec import ChunkAssembler, CodecConfig, CodecError, codec_config, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
@@ -30,7 +30,7 @@ from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, T
 class CoordinatorConfig:
     total_rounds: int
     min_sites: int = 1  # a round closes once every joined site has pushed and at least this many did
-    codec_down: str = "fp32"
+    codec_down: CodecConfig | str = "fp32"  # the update's encoding (a config, or a wire name)
     error_feedback_down: bool = True  # carry the downlink codec's error into the next update
     chunk_bytes: int = MAX_CHUNK_BYTES
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
@@ -41,7 +41,7 @@ class CoordinatorConfig:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        get_codec(self.codec_down)
+        codec_config(self.codec_down)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Coordinator:
         self._updates: dict[int, list[Chunk]] = {}
         self._bytes_down: dict[int, int] = {}
         self._hash = params_sha256(self._outer.params)
-        self._codec_down = get_codec(cfg.codec_down)
+        self._codec_down = codec_config(cfg.codec_down).build()
         self._down_residual: dict[str, torch.Tensor] | None = None
         self._start = time.monotonic()
         self._round_start = self._start

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from diloco.codec import ChunkAssembler, encode_chunks, get_codec, is_lossless
+from diloco.codec import ChunkAssembler, CodecConfig, codec_config, encode_chunks, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.fingerprint import fingerprint
 from diloco.outer import apply_update, params_sha256, pseudo_gradient
@@ -30,7 +30,7 @@ class OuterSync:
         client: CoordinatorClient,
         site_id: str,
         *,
-        codec: str = "fp32",
+        codec: CodecConfig | str = "fp32",
         error_feedback: bool = True,
         chunk_bytes: int = MAX_CHUNK_BYTES,
         wait_poll_s: float = 30.0,
@@ -40,9 +40,9 @@ class OuterSync:
         self.model = model
         self.client = client
         self.site_id = site_id
-        self.codec = get_codec(codec)
+        self.codec = codec_config(codec).build()
         # Uplink error feedback: what the codec dropped this round is added to the next Δ.
-        self.error_feedback = error_feedback and not is_lossless(codec)
+        self.error_feedback = error_feedback and not is_lossless(self.codec.name)
         self._residual: dict[str, torch.Tensor] | None = None
         self.chunk_bytes = chunk_bytes
         self.wait_poll_s = wait_poll_s
