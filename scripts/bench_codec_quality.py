@@ -12,7 +12,8 @@ differences, median), bytes_up per round against the formula params x bits / 8 +
 
     .venv/bin/python scripts/bench_codec_quality.py --out runs/bench_codec_quality/readme
 
-``--summarize`` re-prints the table of an existing OUT without running anything.
+``--summarize`` re-prints the table of an existing OUT without running anything; a run whose
+summary.json exists in OUT is read back instead of run again (resume after an interruption).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quality import apply_override, parse_override  # noqa: E402
 
-from diloco.codec import make_codec  # noqa: E402
+from diloco.codec.chunks import encoded_bytes  # noqa: E402
 from diloco.config import RunConfig, run_config_from_dict, run_config_to_dict  # noqa: E402
 from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
@@ -73,14 +74,8 @@ def build(args: argparse.Namespace, variant: str, seed: int, mode: str = "diloco
 
 def formula_bytes_per_site(cfg: RunConfig) -> int:
     """params x bits / 8 + headers and scales: the codec's encoded_size over the chunks a site sends."""
-    codec = make_codec(cfg.codec)
-    step = codec.max_chunk_numel(cfg.chunk_bytes)
-    total = 0
-    for p in build_model(cfg.model, cfg.seed).parameters():
-        n = p.numel()
-        for off in range(0, n, step):
-            total += codec.encoded_size(min(step, n - off))
-    return total
+    numels = [p.numel() for p in build_model(cfg.model, cfg.seed).parameters()]
+    return encoded_bytes(numels, codec=cfg.codec.build(), chunk_bytes=cfg.chunk_bytes)
 
 
 def aggregate(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
@@ -122,15 +117,12 @@ def print_table(agg: dict[str, Any], sync_every: int) -> None:
     print("=" * 118)
     print(f"{'variant':<15} {'bpb median':>10} {'vs fp32 (median, per seed)':<38} {'bytes_up/round':>15} {'formula':>11} {'ratio':>6} {'vs ddp':>8} {'target':>7}")
     for v, r in agg["variants"].items():
-        codec = v.partition(":")[0]
-        bits = 32 * r["formula_bytes_per_round"] / (r["formula_bytes_per_round"] if codec == "fp32" else 1)
         per_seed = " ".join(f"{s}:{p:+.2f}%" for s, p in r["pct_vs_fp32"].items())
         med = "-" if r["pct_vs_fp32_median"] is None else f"{r['pct_vs_fp32_median']:+.2f}%"
         up = r["bytes_up_per_round"]
         up_s = str(up[0]) if len(up) == 1 else f"{up[0]}..{up[-1]}"
         ratio_fp32 = agg["variants"].get("fp32", {}).get("formula_bytes_per_round")
         target = f"{0.95 * sync_every * ratio_fp32 / r['formula_bytes_per_round']:.0f}x" if ratio_fp32 else "-"
-        del bits
         print(
             f"{v:<15} {r['bpb_median']:>10.4f} {med:>8} {per_seed:<29} {up_s:>15} {r['formula_bytes_per_round']:>11} "
             f"{r['bytes_vs_formula']:>6.3f} {r['reduction_vs_ddp']:>7.0f}x {target:>7}"
@@ -160,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     for v, s, _ in plan:
         cfg = configs[(v, s)]
         run_dir = out / f"{v.replace(':', '_')}_seed{s}"
+        done = run_dir / "summary.json"
+        if done.exists():  # resume: a finished run is read back, not run again
+            summary = json.loads(done.read_text())
+            summary.update(variant=v, run_dir=str(run_dir), formula_bytes_per_round=formula_bytes_per_site(cfg) * cfg.sites)
+            runs.append(summary)
+            print(f"{v:<15} seed={s} (done before) final_eval_bpb={summary['final_eval_bpb']:.4f}", flush=True)
+            continue
         try:
             summary = run_simulation(cfg, run_dir, timeout_s=args.timeout_s, progress=None)
         except SimError as e:

@@ -34,7 +34,7 @@ class CoordinatorConfig:
     error_feedback_down: bool = True  # carry the downlink codec's error into the next update
     chunk_bytes: int = MAX_CHUNK_BYTES
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
-    keep_updates: int = 4  # committed updates kept for PullUpdate; older ones need PullGlobal
+    keep_updates: int = 2  # committed updates kept for PullUpdate; older ones need PullGlobal
     snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
 
     def __post_init__(self) -> None:
@@ -83,6 +83,7 @@ class Coordinator:
         self._hash = params_sha256(self._outer.params)
         self._codec_down = codec_config(cfg.codec_down).build()
         self._down_residual: dict[str, torch.Tensor] | None = None
+        self._global_chunks: tuple[int, list[Chunk]] | None = None  # (round, θ as fp32 chunks) for PullGlobal
         self._start = time.monotonic()
         self._round_start = self._start
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
@@ -229,6 +230,7 @@ class Coordinator:
         self._open = r + 1
         self._round_start = now
         self._acc = WeightedMean(self._shapes)
+        self._global_chunks = None
         self._pushes = {}
         self._push_bytes = 0
         self._cv.notify_all()
@@ -274,7 +276,11 @@ class Coordinator:
         """θ after the last committed round, float32, tagged with the open round number."""
         with self._cv:
             self._require_member(site_id)
-            chunks = list(encode_chunks(self._outer.params, codec=get_codec("fp32"), round=self._open, chunk_bytes=self.cfg.chunk_bytes))
+            # Encoded once per committed round and shared by every puller (sites joining
+            # together at round 0 would otherwise each hold a copy of θ).
+            if self._global_chunks is None or self._global_chunks[0] != self._open:
+                self._global_chunks = (self._open, list(encode_chunks(self._outer.params, codec=get_codec("fp32"), round=self._open, chunk_bytes=self.cfg.chunk_bytes)))
+            chunks = self._global_chunks[1]
             self._bytes_down[self._open] = self._bytes_down.get(self._open, 0) + sum(len(c.payload) for c in chunks)
             return chunks
 
