@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -24,6 +25,22 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Caps glibc's malloc arenas for threads created from now on; False where that is not glibc.
+
+    glibc gives each new thread its own arena (up to 8 per core), and an arena keeps what its
+    thread freed. The coordinator decodes every push and streams every pull on a gRPC worker
+    thread, so without a cap its resident memory grows with the number of sites that talk
+    to it at once (measured: +136 MiB from 2 to 8 sites with model=small), although its live
+    data does not. Call before starting threads.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-8, arenas))  # -8: M_ARENA_MAX
+    except (OSError, AttributeError):
+        return False
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.metrics import MetricsReporter
 from diloco.coordinator.service import Coordinator, CoordinatorConfig
 from diloco.data import eval_batches, load_corpus
-from diloco.io import peak_rss_mb, write_json_atomic
+from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model, count_params
 from diloco.site.inner import evaluate_bpb
 from diloco.transport import serve
@@ -32,6 +32,7 @@ class CoordinatorOptions:
 def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Serves rounds 0 .. cfg.rounds-1, then writes run_dir/global.json and returns its content."""
     torch.set_num_threads(cfg.threads)
+    limit_malloc_arenas()  # memory must not grow with the number of sites (see diloco/io.py)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg.model, cfg.seed)
     corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
