@@ -33,7 +33,7 @@ from diloco.codec.chunks import encoded_bytes  # noqa: E402
 from diloco.config import RunConfig, run_config_from_dict, run_config_to_dict  # noqa: E402
 from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
-from diloco.sim.launcher import SimError, run_simulation  # noqa: E402
+from diloco.sim.launcher import SimError, SimStopped, run_simulation  # noqa: E402
 
 DEFAULT_VARIANTS = "fp32,int8,int4,e3m0,topk2bit,topk2bit:noef"
 
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             summary = run_simulation(cfg, run_dir, timeout_s=args.timeout_s, progress=None)
+        except SimStopped:
+            raise
         except SimError as e:
             print(f"{v:<15} seed={s} FAILED: {e}", flush=True)
             runs.append({"variant": v, "seed": s, "error": str(e)})

@@ -47,7 +47,7 @@ from typing import Any
 from diloco.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
 from diloco.data import DataError
 from diloco.io import read_jsonl, write_json_atomic
-from diloco.sim.launcher import SimError, run_simulation
+from diloco.sim.launcher import SimError, SimStopped, run_simulation
 
 ALL_MODES = ("diloco", "ddp", "single")
 DEFAULTS: dict[str, Any] = {"rounds": 10, "sync_every": 50, "sites": 4, "seeds": "0,1,2"}
@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = out / f"{mode}_seed{seed}"
         try:
             summary = run_simulation(cfg, run_dir, timeout_s=args.timeout_s, progress=None)
+        except SimStopped:
+            raise
         except (SimError, DataError) as e:
             print(f"mode={mode:<6} seed={seed:<3} FAILED: {e}", flush=True)
             runs.append({"mode": mode, "seed": seed, "run_dir": str(run_dir), "error": str(e)})

@@ -24,6 +24,11 @@ class SimError(RuntimeError):
     """A simulated process failed or the run timed out; the message names the process."""
 
 
+class SimStopped(SimError):
+    """The simulator itself got SIGTERM (its children were stopped): callers running several
+    simulations should stop too, not go on to the next one."""
+
+
 @dataclass
 class _Proc:
     name: str
@@ -98,7 +103,7 @@ def _die_with_parent() -> None:
 
 
 def _raise_on_sigterm(signum: int, _frame: object) -> None:
-    raise SimError(f"stopped by signal {signum}")
+    raise SimStopped(f"stopped by signal {signum}")
 
 
 def _wait_port(port_file: Path, coordinator: _Proc, deadline: float) -> int:
