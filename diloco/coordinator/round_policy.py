@@ -1,0 +1,54 @@
+"""When a round closes: every active site has pushed, or a quorum has and the deadline passed.
+
+Pure functions of times (monotonic seconds) and sets, so the policy is tested without a
+clock or a server. The deadline is measured from the round's opening:
+
+* ``none``: no deadline; the round waits for every active site (leases still evict the dead);
+* ``fixed``: ``deadline_s`` seconds after the round opened;
+* ``median``: ``deadline_factor`` times the median push time (opening to arrival) of the
+  pushes in so far, so a site ``deadline_factor`` times slower than the typical one is left
+  out, whatever the absolute round time is. Undefined until the quorum is in.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+DEADLINES = ("none", "fixed", "median")
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    min_sites: int = 1  # a round never closes with fewer pushes than this
+    deadline: str = "none"
+    deadline_s: float = 60.0  # fixed
+    deadline_factor: float = 1.5  # median
+
+    def __post_init__(self) -> None:
+        if self.min_sites < 1:
+            raise ValueError(f"min_sites={self.min_sites}: must be >= 1")
+        if self.deadline not in DEADLINES:
+            raise ValueError(f"deadline={self.deadline!r}: must be one of {', '.join(DEADLINES)}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s={self.deadline_s}: must be > 0")
+        if not self.deadline_factor >= 1:
+            raise ValueError(f"deadline_factor={self.deadline_factor}: must be >= 1")
+
+    def deadline_at(self, opened_at: float, pushed_at: Mapping[str, float]) -> float | None:
+        """The round's deadline (monotonic seconds), or None when there is none (yet)."""
+        if self.deadline == "fixed":
+            return opened_at + self.deadline_s
+        if self.deadline == "median" and len(pushed_at) >= self.min_sites:
+            return opened_at + self.deadline_factor * statistics.median(t - opened_at for t in pushed_at.values())
+        return None
+
+    def should_close(self, now: float, opened_at: float, pushed_at: Mapping[str, float], active: Set[str]) -> bool:
+        """True when the round can commit with the sites in ``pushed_at``."""
+        if len(pushed_at) < self.min_sites:
+            return False
+        if active <= pushed_at.keys():
+            return True
+        deadline = self.deadline_at(opened_at, pushed_at)
+        return deadline is not None and now >= deadline
