@@ -78,6 +78,7 @@ class DiLoCo:
             if exc_type is None:
                 self.sync.leave()
         finally:
+            self.sync.close()
             self._client.close()
 
     def record_loss(self, loss: torch.Tensor | float) -> None:

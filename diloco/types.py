@@ -53,6 +53,7 @@ class JoinInfo:
     open_round: int
     total_rounds: int
     run_id: str
+    lease_s: float = 60.0  # the coordinator evicts a site silent this long
 
 
 @dataclass(frozen=True)

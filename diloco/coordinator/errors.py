@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-ErrorCode = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range"]
+# aborted: the round closed without this site's push; it should pull θ and go on.
+ErrorCode = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range", "aborted"]
 
 
 class CoordinatorError(Exception):

@@ -60,6 +60,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, log=log)
     coordinator.on_commit.append(reporter.submit)
     server, port = serve(coordinator, opts.host, opts.port)
+    stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
     try:
         log(f"coordinator listening on {opts.host}:{port}: {count_params(model)} params, {cfg.rounds} rounds, waiting for {opts.min_sites or cfg.sites} site(s)")
@@ -74,6 +75,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
                     break
         reporter.close()
     finally:
+        stop_ticker()
         server.stop(grace=2.0).wait(5.0)
     result = {
         "params": count_params(model),

@@ -22,6 +22,8 @@ from diloco.codec import ChunkAssembler, CodecConfig, CodecError, codec_config, 
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.coordinator.membership import Membership
+from diloco.coordinator.round_policy import RoundPolicy
 from diloco.outer import OuterConfig, OuterOptimizer, WeightedMean, params_sha256
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
 
@@ -29,7 +31,11 @@ from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, T
 @dataclass(frozen=True)
 class CoordinatorConfig:
     total_rounds: int
-    min_sites: int = 1  # a round closes once every joined site has pushed and at least this many did
+    min_sites: int = 1  # a round never closes with fewer pushes than this
+    lease_s: float = 60.0  # a site silent (no call, no heartbeat) this long is evicted
+    deadline: str = "none"  # none: wait for every active site; fixed / median: see RoundPolicy
+    deadline_s: float = 60.0
+    deadline_factor: float = 1.5
     codec_down: CodecConfig | str = "fp32"  # the update's encoding (a config, or a wire name)
     error_feedback_down: bool = True  # carry the downlink codec's error into the next update
     chunk_bytes: int = MAX_CHUNK_BYTES
@@ -42,6 +48,11 @@ class CoordinatorConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         codec_config(self.codec_down)
+        self.policy  # checks the deadline fields
+
+    @property
+    def policy(self) -> RoundPolicy:
+        return RoundPolicy(min_sites=self.min_sites, deadline=self.deadline, deadline_s=self.deadline_s, deadline_factor=self.deadline_factor)
 
 
 @dataclass
@@ -64,15 +75,20 @@ class RoundRecord:
 class Coordinator:
     """Holds θ and the outer optimizer; runs rounds 0 .. total_rounds-1."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], outer: OuterConfig, cfg: CoordinatorConfig) -> None:
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], outer: OuterConfig, cfg: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
+        self._policy = cfg.policy
+        self._clock = clock
         self.run_id = uuid.uuid4().hex[:12]
         self._outer = OuterOptimizer(params, outer)
         self._specs: dict[str, TensorSpec] = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._cv = threading.Condition()
-        self._members: set[str] = set()
+        self._members = Membership(cfg.lease_s, clock)
         self._left: dict[str, str] = {}  # site id -> the hash it reported when leaving
+        self._pushed_at: dict[str, float] = {}  # this round's pushes: site id -> arrival time
         self._open = 0
         self._acc = WeightedMean(self._shapes)
         self._pushes: dict[str, PushHeader] = {}
@@ -84,7 +100,7 @@ class Coordinator:
         self._codec_down = codec_config(cfg.codec_down).build()
         self._down_residual: dict[str, torch.Tensor] | None = None
         self._global_chunks: tuple[int, list[Chunk]] | None = None  # (round, θ as fp32 chunks) for PullGlobal
-        self._start = time.monotonic()
+        self._start = clock()
         self._round_start = self._start
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         for _ in range(cfg.max_concurrent_pushes):
@@ -137,19 +153,65 @@ class Coordinator:
         if problems:
             raise CoordinatorError("invalid_argument", f"model of site {site_id!r} does not match the coordinator's: " + "; ".join(problems))
         with self._cv:
-            self._members.add(site_id)
+            self._members.join(site_id)
             self._left.pop(site_id, None)
-            return JoinInfo(open_round=self._open, total_rounds=self.cfg.total_rounds, run_id=self.run_id)
+            return JoinInfo(open_round=self._open, total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.lease_s)
 
     def leave(self, site_id: str, global_sha256: str) -> None:
         with self._cv:
-            self._require_member(site_id)
+            if self._members.state(site_id) is None:
+                raise CoordinatorError("failed_precondition", self._members.why_not_active(site_id))
+            self._members.leave(site_id)
             self._left[site_id] = global_sha256
             self._cv.notify_all()
 
+    def heartbeat(self, site_id: str) -> RoundStatus:
+        """Renews the site's lease; refused (failed_precondition) once it was evicted."""
+        with self._cv:
+            self._require_member(site_id)
+            return self._status()
+
+    def tick(self) -> RoundRecord | None:
+        """Evicts sites whose lease ended and closes the round if the policy now allows it.
+        Called periodically (``serve`` runs a ticker); returns the record of a commit."""
+        with self._cv:
+            evicted = self._members.expire()
+            if evicted:
+                self._cv.notify_all()
+            record = self._maybe_commit() if self._open < self.cfg.total_rounds else None
+        if record is not None:
+            for listener in self.on_commit:
+                listener(record)
+        return record
+
+    def start_ticker(self, interval_s: float = 0.2) -> Callable[[], None]:
+        """Runs ``tick`` every ``interval_s`` on a daemon thread; returns the function that stops it."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                self.tick()
+
+        thread = threading.Thread(target=loop, name="coordinator-ticker", daemon=True)
+        thread.start()
+
+        def stop_ticker() -> None:
+            stop.set()
+            thread.join()
+
+        return stop_ticker
+
+    @property
+    def active_sites(self) -> frozenset[str]:
+        with self._cv:
+            return self._members.active
+
     def _require_member(self, site_id: str) -> None:
-        if site_id not in self._members:
-            raise CoordinatorError("failed_precondition", f"site {site_id!r} has not joined; call Join first")
+        """Every call of a site counts as a heartbeat; an unknown, evicted or departed site is refused."""
+        try:
+            self._members.renew(site_id)
+        except KeyError as e:
+            raise CoordinatorError("failed_precondition", e.args[0]) from None
 
     # ---- pushes ----------------------------------------------------------------------
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
@@ -175,6 +237,7 @@ class Coordinator:
                     return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
                 self._acc.add(delta, float(header.tokens))
                 self._pushes[header.site_id] = header
+                self._pushed_at[header.site_id] = self._clock()
                 self._push_bytes += assembler.payload_bytes
                 record = self._maybe_commit()
         finally:
@@ -194,21 +257,23 @@ class Coordinator:
         if header.round < self._open:
             if header.site_id in self._participants.get(header.round, ()):
                 return True
-            raise CoordinatorError("failed_precondition", f"round {header.round} is already committed (open round is {self._open})")
+            raise CoordinatorError(
+                "aborted", f"round {header.round} was committed without site {header.site_id!r} (open round is {self._open}); pull the global parameters and go on"
+            )
         if header.round > self._open:
             raise CoordinatorError("failed_precondition", f"round {header.round} is not open (open round is {self._open})")
         return header.site_id in self._pushes
 
     def _maybe_commit(self) -> RoundRecord | None:
         pushed = set(self._pushes)
-        if len(pushed) < self.cfg.min_sites or not self._members <= pushed:
+        if not self._policy.should_close(self._clock(), self._round_start, self._pushed_at, self._members.active):
             return None
         r = self._open
         update = self._outer.step(self._acc.mean(), transmit=lambda u: self._transmit(r, u))
         for old in [k for k in self._updates if k <= r - self.cfg.keep_updates]:
             del self._updates[old]
         self._hash = params_sha256(self._outer.params)
-        now = time.monotonic()
+        now = self._clock()
         headers = [self._pushes[s] for s in sorted(pushed)]
         tokens = sum(h.tokens for h in headers)
         every = self.cfg.snapshot_every
@@ -232,6 +297,7 @@ class Coordinator:
         self._acc = WeightedMean(self._shapes)
         self._global_chunks = None
         self._pushes = {}
+        self._pushed_at = {}
         self._push_bytes = 0
         self._cv.notify_all()
         return record
@@ -288,12 +354,12 @@ class Coordinator:
         """True once no more pulls of ``round``'s update are expected: the next round is
         committed (every participant has pulled it) or every site has left."""
         with self._cv:
-            return self._open > round + 1 or (self._open > round and self._members <= set(self._left))
+            return self._open > round + 1 or (self._open > round and not self._members.active)
 
     def wait_all_left(self, timeout_s: float) -> bool:
         """After the last round: waits until every member has left; False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._open >= self.cfg.total_rounds and self._members <= set(self._left), timeout=timeout_s)
+            return self._cv.wait_for(lambda: self._open >= self.cfg.total_rounds and not self._members.active, timeout=timeout_s)
 
 
 def _weighted_loss(headers: list[PushHeader]) -> float | None:

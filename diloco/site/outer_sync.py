@@ -12,6 +12,7 @@ from diloco.codec import ChunkAssembler, CodecConfig, codec_config, encode_chunk
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.fingerprint import fingerprint
 from diloco.outer import apply_update, params_sha256, pseudo_gradient
+from diloco.site.heartbeat import Heartbeat
 from diloco.transport import CoordinatorClient, RemoteError
 from diloco.types import JoinInfo, PushHeader
 
@@ -56,17 +57,29 @@ class OuterSync:
         self.round_hashes: dict[int, str] = {}
         self.bytes_up = 0
         self.bytes_down = 0
+        self.rejoins = 0  # times this site had to join again (evicted, or the coordinator forgot it)
+        self.dropped_rounds: list[int] = []  # rounds committed without this site's push
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def finished(self) -> bool:
         return self.round >= self.total_rounds
 
     def join(self) -> JoinInfo:
-        """Registers with the coordinator and loads the whole global θ into the model."""
+        """Registers with the coordinator, loads the whole global θ into the model and starts
+        heartbeats (three per lease)."""
         info = self.client.join(self.site_id, self._specs.values())
         self.total_rounds = info.total_rounds
         self._pull_global()
+        if self._heartbeat is None and info.lease_s > 0:
+            self._heartbeat = Heartbeat(self.client, self.site_id, info.lease_s / 3, self._log)
         return info
+
+    def close(self) -> None:
+        """Stops the heartbeats (leave() does this too)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     def _pull_global(self) -> None:
         chunks = self.client.pull_global(self.site_id)
@@ -77,6 +90,8 @@ class OuterSync:
         self.bytes_down += assembler.payload_bytes
         self.round = chunks[0].round if chunks else 0
         self._load_global_into_model()
+        if self.round > 0:
+            self.round_hashes[self.round - 1] = params_sha256(self.global_params)
 
     def _load_global_into_model(self) -> None:
         with torch.no_grad():
@@ -87,25 +102,40 @@ class OuterSync:
         """Ends this site's round: pushes Δ = θ − θ^s, waits for the commit, applies u.
 
         Blocks until the round is committed. Returns the hash of the new global θ.
+        If the round was committed without this push (it came too late), or the site was
+        evicted (its lease ran out), the site drops this round's work, pulls θ whole (joining
+        again if it must) and goes on from the open round.
         """
         r = self.round
         delta = pseudo_gradient(self.global_params, self._params)
         if self._residual is not None:
             delta = {n: d + self._residual[n] for n, d in delta.items()}
         chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
+        residual = None
         if self.error_feedback:
             sent = ChunkAssembler(self._specs)
             for c in chunks:
                 sent.add(c)
             decoded = sent.finish()
-            self._residual = {n: delta[n] - decoded[n] for n in delta}
+            residual = {n: delta[n] - decoded[n] for n in delta}
         header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps)
-        result = self.client.push(header, iter(chunks))
+        try:
+            result = self.client.push(header, iter(chunks))
+        except RemoteError as e:
+            if e.code not in ("ABORTED", "FAILED_PRECONDITION"):
+                raise
+            return self._catch_up(r, e)
         self.bytes_up += result.payload_bytes
-        self._wait_committed(r)
-        assembler = ChunkAssembler(self._specs)
-        for c in self.client.pull_update(self.site_id, r):
-            assembler.add(c)
+        self._residual = residual  # only a push that counted moves the residual on
+        try:
+            self._wait_committed(r)
+            assembler = ChunkAssembler(self._specs)
+            for c in self.client.pull_update(self.site_id, r):
+                assembler.add(c)
+        except RemoteError as e:
+            if e.code not in ("FAILED_PRECONDITION", "NOT_FOUND"):
+                raise
+            return self._catch_up(r, e)
         apply_update(self.global_params, assembler.finish())
         self.bytes_down += assembler.payload_bytes
         self._load_global_into_model()
@@ -113,6 +143,18 @@ class OuterSync:
         digest = params_sha256(self.global_params)
         self.round_hashes[r] = digest
         return digest
+
+    def _catch_up(self, r: int, why: RemoteError) -> str:
+        """Drops round r's work and loads θ whole, joining again when the coordinator asks for it."""
+        self.dropped_rounds.append(r)
+        if why.code == "FAILED_PRECONDITION":
+            self._log(f"site {self.site_id}: {why.message}; joining again")
+            self.rejoins += 1
+            self.client.join(self.site_id, self._specs.values())
+        else:
+            self._log(f"site {self.site_id}: {why.message}")
+        self._pull_global()
+        return params_sha256(self.global_params)
 
     def _wait_committed(self, r: int) -> None:
         deadline = time.monotonic() + self.round_timeout_s
@@ -128,5 +170,6 @@ class OuterSync:
         return params_sha256(self.global_params)
 
     def leave(self) -> None:
+        self.close()
         self.client.leave(self.site_id, self.global_sha256())
 

@@ -49,13 +49,18 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         # A site that joins late starts its lr schedule where the run is.
         trainer.steps_done = sync.round * cfg.sync_every
         log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites})")
-        while not sync.finished:
-            losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
-            round_tokens = cfg.sync_every * sampler.tokens_per_batch
-            digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
-            tokens += round_tokens
-            log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
-        sync.leave()
+        try:
+            while not sync.finished:
+                losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
+                round_tokens = cfg.sync_every * sampler.tokens_per_batch
+                digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
+                tokens += round_tokens
+                # After a dropped round the site continues at the open round's place in the schedule.
+                trainer.steps_done = sync.round * cfg.sync_every
+                log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
+            sync.leave()
+        finally:
+            sync.close()
     result = {
         "site_id": opts.site_id,
         "shard": shard,

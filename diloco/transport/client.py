@@ -95,6 +95,13 @@ class CoordinatorClient:
         except grpc.RpcError as e:
             raise _remote(e) from None
 
+    def heartbeat(self, site_id: str, timeout_s: float | None = None) -> RoundStatus:
+        try:
+            reply = self._stub.Heartbeat(pb.HeartbeatRequest(site_id=site_id), timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise _remote(e) from None
+        return serde.status_from_proto(reply)
+
     def leave(self, site_id: str, global_sha256: str) -> None:
         try:
             self._stub.Leave(pb.LeaveRequest(site_id=site_id, global_sha256=global_sha256), timeout=self.timeout_s, wait_for_ready=True)

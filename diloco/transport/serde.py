@@ -43,11 +43,11 @@ def push_result_from_proto(m: pb.PushReply) -> PushResult:
 
 
 def join_info_to_proto(j: JoinInfo) -> pb.JoinReply:
-    return pb.JoinReply(open_round=j.open_round, total_rounds=j.total_rounds, run_id=j.run_id)
+    return pb.JoinReply(open_round=j.open_round, total_rounds=j.total_rounds, run_id=j.run_id, lease_s=j.lease_s)
 
 
 def join_info_from_proto(m: pb.JoinReply) -> JoinInfo:
-    return JoinInfo(open_round=m.open_round, total_rounds=m.total_rounds, run_id=m.run_id)
+    return JoinInfo(open_round=m.open_round, total_rounds=m.total_rounds, run_id=m.run_id, lease_s=m.lease_s)
 
 
 def status_to_proto(s: RoundStatus) -> pb.RoundStatus:

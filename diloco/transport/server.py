@@ -18,6 +18,7 @@ _STATUS = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "out_of_range": grpc.StatusCode.OUT_OF_RANGE,
+    "aborted": grpc.StatusCode.ABORTED,
 }
 # Messages carry chunks of at most 1 MiB plus a small header; 4 MiB is gRPC's default too.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -78,6 +79,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort(context, e)
         for c in chunks:
             yield serde.chunk_to_proto(c)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.RoundStatus:
+        try:
+            status = self._c.heartbeat(request.site_id)
+        except CoordinatorError as e:
+            _abort(context, e)
+        return serde.status_to_proto(status)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         try:

@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/diloco.v1.Coordinator/Heartbeat',
+                request_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.RoundStatus.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -111,6 +116,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renews the site's lease (every other call does too); refused once the site was evicted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.LeaveReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.RoundStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/Leave',
             diloco_dot_transport_dot_pb_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             diloco_dot_transport_dot_pb_dot_coordinator__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/Heartbeat',
+            diloco_dot_transport_dot_pb_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            diloco_dot_transport_dot_pb_dot_coordinator__pb2.RoundStatus.FromString,
             options,
             channel_credentials,
             insecure,
