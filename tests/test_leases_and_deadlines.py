@@ -5,6 +5,7 @@ evicted pushes are refused with a status that says so and change nothing; a rejo
 from collections.abc import Iterator
 
 import pytest
+from fakes import FakeClock
 import torch
 
 from diloco.codec import encode_chunks, get_codec
@@ -16,13 +17,6 @@ from diloco.types import PushHeader
 
 pytestmark = pytest.mark.timeout(60)
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _theta() -> dict[str, torch.Tensor]:

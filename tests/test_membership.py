@@ -1,22 +1,16 @@
 """Leases with a fake clock: heartbeats keep a site in, silence evicts it, a rejoin takes it back."""
 
 import pytest
+from fakes import FakeClock
 
 from diloco.coordinator.membership import Membership
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
 
 def test_heartbeats_keep_the_lease_and_silence_evicts() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     m = Membership(lease_s=10, clock=clock)
     m.join("a")
     m.join("b")
@@ -35,7 +29,7 @@ def test_heartbeats_keep_the_lease_and_silence_evicts() -> None:
 
 
 def test_rejoin_after_eviction_or_leave_counts_and_renews() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     m = Membership(lease_s=5, clock=clock)
     m.join("a")
     clock.t = 106
@@ -52,7 +46,7 @@ def test_rejoin_after_eviction_or_leave_counts_and_renews() -> None:
 
 
 def test_unknown_sites_and_bad_lease() -> None:
-    m = Membership(lease_s=1, clock=FakeClock())
+    m = Membership(lease_s=1, clock=FakeClock(100.0))
     with pytest.raises(KeyError, match="'x' has not joined"):
         m.renew("x")
     assert m.state("x") is None and m.known == set()
