@@ -10,6 +10,7 @@ from typing import Any
 
 from diloco.codec import CodecConfig, codec_config
 from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.model import ModelConfig, model_config
 from diloco.outer import OuterConfig
@@ -39,6 +40,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    quorum: QuorumConfig = field(default_factory=QuorumConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
     codec_down: CodecConfig | None = None  # downlink (update) encoding; None: the same as codec
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
@@ -87,7 +89,8 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         data = _build(DataConfig, d.pop("data", {}), "data")
         inner = _build(InnerConfig, d.pop("inner", {}), "inner")
         outer = _build(OuterConfig, d.pop("outer", {}), "outer")
-        return _build(RunConfig, {**d, "model": model, "data": data, "inner": inner, "outer": outer}, "")
+        quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
+        return _build(RunConfig, {**d, "model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum}, "")
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:

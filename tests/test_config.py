@@ -26,6 +26,9 @@ pytestmark = pytest.mark.timeout(30)
         ({"data": {"batch_size": 0}}, "data.batch_size"),
         ({"data": {"colour": 1}}, "data.colour"),
         ({"speed": 3}, "speed"),
+        ({"quorum": {"lease_s": 0}}, "quorum.lease_s=0"),
+        ({"quorum": {"deadline": "soon"}}, "deadline='soon'"),
+        ({"quorum": {"colour": 1}}, "quorum.colour"),
     ],
 )
 def test_bad_values_name_the_field(override: dict, field: str) -> None:

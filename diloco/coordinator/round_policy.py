@@ -20,6 +20,22 @@ DEADLINES = ("none", "fixed", "median")
 
 
 @dataclass(frozen=True)
+class QuorumConfig:
+    """The run config's ``quorum`` section: leases and the round deadline (min_sites is the
+    coordinator's option)."""
+
+    lease_s: float = 60.0  # a site silent this long (no call, no heartbeat) is evicted until it joins again
+    deadline: str = "none"
+    deadline_s: float = 60.0
+    deadline_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0:
+            raise ValueError(f"quorum.lease_s={self.lease_s}: must be > 0")
+        RoundPolicy(deadline=self.deadline, deadline_s=self.deadline_s, deadline_factor=self.deadline_factor)
+
+
+@dataclass(frozen=True)
 class RoundPolicy:
     min_sites: int = 1  # a round never closes with fewer pushes than this
     deadline: str = "none"

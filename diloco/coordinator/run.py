@@ -51,6 +51,10 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
         CoordinatorConfig(
             total_rounds=cfg.rounds,
             min_sites=opts.min_sites or cfg.sites,
+            lease_s=cfg.quorum.lease_s,
+            deadline=cfg.quorum.deadline,
+            deadline_s=cfg.quorum.deadline_s,
+            deadline_factor=cfg.quorum.deadline_factor,
             codec_down=cfg.downlink_codec,
             error_feedback_down=cfg.error_feedback,
             chunk_bytes=cfg.chunk_bytes,
