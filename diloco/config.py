@@ -69,7 +69,14 @@ class RunConfig:
 
     @property
     def downlink_codec(self) -> CodecConfig:
-        return self.codec_down if self.codec_down is not None else self.codec
+        """codec_down, or by default the uplink's codec; for topk2bit, int8 (with the uplink's
+        zstd setting): the outer update is dense (momentum spreads it over every coordinate),
+        and sparsifying it again would move only 2% of θ per round."""
+        if self.codec_down is not None:
+            return self.codec_down
+        if self.codec.name == "topk2bit":
+            return CodecConfig(name="int8", zstd=self.codec.zstd, zstd_level=self.codec.zstd_level)
+        return self.codec
 
     @property
     def workers(self) -> int:

@@ -54,6 +54,8 @@ def test_codec_group_and_downlink_default() -> None:
     # The downlink defaults to the uplink's codec, parameters included; a name or a mapping overrides it.
     assert cfg.downlink_codec == cfg.codec
     assert run_config_from_dict({"codec": "int8", "codec_down": "bf16"}).downlink_codec == CodecConfig(name="bf16")
+    # A sparse uplink gets a dense downlink: the outer update is dense.
+    assert run_config_from_dict({"codec": "topk2bit+zstd"}).downlink_codec == CodecConfig(name="int8", zstd=True)
     down = run_config_from_dict({"codec_down": {"name": "topk2bit", "density": 0.05}}).downlink_codec
     assert down.build().density == 0.05
     # zstd_level is carried by every shipped config but read only when zstd is on.
