@@ -5,6 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
+from diloco.checkpoint import CheckpointError
 from diloco.cli.common import fail, run_config, run_dir, section
 from diloco.config import ConfigError
 from diloco.coordinator.run import CoordinatorOptions, run_coordinator
@@ -21,6 +22,8 @@ def _main(cfg: DictConfig) -> None:
         fail(f"bad config: {e}")
     except DataError as e:
         fail(f"bad data: {e}")
+    except CheckpointError as e:
+        fail(f"bad checkpoint: {e}")
 
 
 def main() -> None:

@@ -91,6 +91,14 @@ class Membership:
         times = [m.expires_at for m in self._members.values() if m.state == "active"]
         return min(times) if times else None
 
+    def restore(self, snapshot: dict[str, dict[str, object]]) -> None:
+        """Loads ``snapshot``; active sites get a fresh lease (they have that long to show up)."""
+        expires = self._clock() + self.lease_s
+        self._members = {
+            s: Member(s, str(d["state"]), expires, int(d["joins"]))  # type: ignore[arg-type]
+            for s, d in snapshot.items()
+        }
+
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Plain data for a checkpoint: state and join count per site (leases restart on load)."""
         return {s: {"state": m.state, "joins": m.joins} for s, m in sorted(self._members.items())}

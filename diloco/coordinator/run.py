@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from diloco.checkpoint import CheckpointError, load_latest
 from diloco.config import RunConfig
 from diloco.coordinator.metrics import MetricsReporter
 from diloco.coordinator.service import Coordinator, CoordinatorConfig
@@ -27,6 +28,7 @@ class CoordinatorOptions:
     min_sites: int | None = None  # sites a round waits for; default: RunConfig.sites
     linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
     port_file: str | None = None
+    checkpoint_dir: str | None = None  # checkpoint every round there; resume from it on start
 
 
 def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -59,8 +61,19 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
             error_feedback_down=cfg.error_feedback,
             chunk_bytes=cfg.chunk_bytes,
             snapshot_every=cfg.eval_every,
+            checkpoint_dir=opts.checkpoint_dir,
         ),
     )
+    if opts.checkpoint_dir:
+        loaded = load_latest(Path(opts.checkpoint_dir))
+        for problem in loaded.problems if loaded else []:
+            log(f"skipping a bad checkpoint: {problem}")
+        if loaded is not None:
+            try:
+                coordinator.restore(loaded.state)
+            except (KeyError, ValueError) as e:
+                raise CheckpointError(f"{loaded.path}: does not fit this run: {e}") from None
+            log(f"resumed from {loaded.path} at round {coordinator.committed_rounds} (global sha256 {coordinator.global_sha256()[:16]})")
     reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, log=log)
     coordinator.on_commit.append(reporter.submit)
     server, port = serve(coordinator, opts.host, opts.port)

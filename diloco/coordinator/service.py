@@ -15,11 +15,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from diloco.codec import ChunkAssembler, CodecConfig, CodecError, codec_config, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.checkpoint import save_checkpoint
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
 from diloco.coordinator.membership import Membership
@@ -42,6 +45,7 @@ class CoordinatorConfig:
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
     keep_updates: int = 2  # committed updates kept for PullUpdate; older ones need PullGlobal
     snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
+    checkpoint_dir: str | None = None  # write an atomic checkpoint here after every commit, before publishing it
 
     def __post_init__(self) -> None:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
@@ -293,6 +297,9 @@ class Coordinator:
         )
         self._participants[r] = record.participants
         self._open = r + 1
+        if self.cfg.checkpoint_dir is not None:
+            # Before any site can see the round committed: a restart never loses a published round.
+            save_checkpoint(Path(self.cfg.checkpoint_dir), self._open, self._checkpoint_state())
         self._round_start = now
         self._acc = WeightedMean(self._shapes)
         self._global_chunks = None
@@ -317,6 +324,41 @@ class Coordinator:
             self._down_residual = {n: proposed[n] - sent[n] for n in proposed}
         self._updates[r] = chunks
         return sent
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "committed_rounds": self._open,
+            "global_sha256": self._hash,
+            "outer": self._outer.state_dict(),
+            "down_residual": self._down_residual,
+            "members": self._members.snapshot(),
+            "participants": {str(r): list(p) for r, p in self._participants.items()},
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Resumes from a checkpoint's state: θ, the outer optimizer, the downlink residual, the
+        round and the membership (active sites get a fresh lease). Refuses a state whose θ does
+        not hash to the saved value, or one past this run's last round."""
+        committed = int(state["committed_rounds"])
+        if not 0 <= committed <= self.cfg.total_rounds:
+            raise ValueError(f"checkpoint has {committed} committed rounds; this run has {self.cfg.total_rounds}")
+        with self._cv:
+            self._outer.load_state_dict(state["outer"])
+            digest = params_sha256(self._outer.params)
+            if digest != state["global_sha256"]:
+                raise ValueError(f"checkpoint θ hashes to {digest[:16]}, the checkpoint says {str(state['global_sha256'])[:16]}")
+            self.run_id = str(state["run_id"])
+            self._hash = digest
+            self._open = committed
+            self._down_residual = state["down_residual"]
+            self._participants = {int(r): list(p) for r, p in state["participants"].items()}
+            self._members.restore(state["members"])
+            self._acc = WeightedMean(self._shapes)
+            self._pushes, self._pushed_at, self._push_bytes = {}, {}, 0
+            self._updates, self._global_chunks = {}, None
+            self._round_start = self._clock()
 
     # ---- pulls -----------------------------------------------------------------------
     def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:

@@ -73,3 +73,15 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": {n: p.clone() for n, p in self.params.items()}, "optimizer": self._opt.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores θ and the optimizer state saved by ``state_dict`` (same names and shapes)."""
+        params = state["params"]
+        if sorted(params) != self.names:
+            raise ValueError(f"saved outer state has parameters {sorted(params)[:5]}..., expected {self.names[:5]}...")
+        with torch.no_grad():
+            for n in self.names:
+                if params[n].shape != self.params[n].shape:
+                    raise ValueError(f"saved outer state: {n!r} has shape {list(params[n].shape)}, expected {list(self.params[n].shape)}")
+                self.params[n].copy_(params[n])
+        self._opt.load_state_dict(state["optimizer"])
