@@ -17,6 +17,7 @@ from diloco.outer import OuterConfig
 from diloco.site.inner import InnerConfig
 
 MODES = ("diloco", "ddp", "single")
+LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
 class ConfigError(ValueError):
@@ -69,12 +70,15 @@ class RunConfig:
 
     @property
     def downlink_codec(self) -> CodecConfig:
-        """codec_down, or by default the uplink's codec; for topk2bit, int8 (with the uplink's
-        zstd setting): the outer update is dense (momentum spreads it over every coordinate),
-        and sparsifying it again would move only 2% of θ per round."""
+        """codec_down, or by default the uplink's codec when it has 8 or more bits per value
+        (fp32, fp16, bf16, int8), else int8 with the uplink's zstd setting (int4, e3m0,
+        topk2bit). Every site starts its next inner phase from what the downlink delivers,
+        so its error costs more than an uplink's, which averaging over sites dilutes
+        (README: Measured), and the outer update is dense, so sparsifying it again would move
+        only a few percent of θ per round."""
         if self.codec_down is not None:
             return self.codec_down
-        if self.codec.name == "topk2bit":
+        if self.codec.name in LOW_BIT_CODECS:
             return CodecConfig(name="int8", zstd=self.codec.zstd, zstd_level=self.codec.zstd_level)
         return self.codec
 

@@ -47,15 +47,17 @@ def test_round_trip_and_workers() -> None:
 def test_codec_group_and_downlink_default() -> None:
     from diloco.codec import CodecConfig
 
-    cfg = run_config_from_dict({"codec": {"name": "int4", "block": 64, "zstd": True, "zstd_level": 5}})
+    cfg = run_config_from_dict({"codec": {"name": "int8", "block": 512, "zstd": True, "zstd_level": 5}})
     codec = cfg.codec.build()
-    assert codec.name == "int4+zstd" and codec.inner.block == 64 and codec.level == 5
-    assert cfg.codec.describe() == "int4(block=64)+zstd(level=5)"
+    assert codec.name == "int8+zstd" and codec.inner.block == 512 and codec.level == 5
+    assert cfg.codec.describe() == "int8(block=512)+zstd(level=5)"
     # The downlink defaults to the uplink's codec, parameters included; a name or a mapping overrides it.
     assert cfg.downlink_codec == cfg.codec
     assert run_config_from_dict({"codec": "int8", "codec_down": "bf16"}).downlink_codec == CodecConfig(name="bf16")
-    # A sparse uplink gets a dense downlink: the outer update is dense.
+    # Uplinks below 8 bits per value get an int8 downlink.
     assert run_config_from_dict({"codec": "topk2bit+zstd"}).downlink_codec == CodecConfig(name="int8", zstd=True)
+    assert run_config_from_dict({"codec": "e3m0"}).downlink_codec == CodecConfig(name="int8")
+    assert run_config_from_dict({"codec": "bf16"}).downlink_codec == CodecConfig(name="bf16")
     down = run_config_from_dict({"codec_down": {"name": "topk2bit", "density": 0.05}}).downlink_codec
     assert down.build().density == 0.05
     # zstd_level is carried by every shipped config but read only when zstd is on.
