@@ -36,6 +36,8 @@ class Heartbeat:
                 if e.code != self._last_error:
                     self._log(f"site {self._site_id}: heartbeat failed: {e}")
                 self._last_error = e.code
+            except ValueError:  # the channel was closed under us: the site is shutting down
+                return
 
     def stop(self) -> None:
         self._stop.set()
