@@ -65,15 +65,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
         ),
     )
     if opts.checkpoint_dir:
-        loaded = load_latest(Path(opts.checkpoint_dir))
-        for problem in loaded.problems if loaded else []:
-            log(f"skipping a bad checkpoint: {problem}")
-        if loaded is not None:
-            try:
-                coordinator.restore(loaded.state)
-            except (KeyError, ValueError) as e:
-                raise CheckpointError(f"{loaded.path}: does not fit this run: {e}") from None
-            log(f"resumed from {loaded.path} at round {coordinator.committed_rounds} (global sha256 {coordinator.global_sha256()[:16]})")
+        _resume(coordinator, Path(opts.checkpoint_dir), log)
     reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, log=log)
     coordinator.on_commit.append(reporter.submit)
     server, port = serve(coordinator, opts.host, opts.port)
@@ -107,3 +99,17 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     write_json_atomic(run_dir / "global.json", result)
     log(f"coordinator done: {result['rounds_committed']} rounds, global sha256 {result['global_sha256'][:16]}")
     return result
+
+
+def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None]) -> None:
+    """Restores the newest good checkpoint in ``directory``, if any; names the bad ones it skips."""
+    loaded = load_latest(directory)
+    for problem in loaded.problems if loaded else []:
+        log(f"skipping a bad checkpoint: {problem}")
+    if loaded is None:
+        return
+    try:
+        coordinator.restore(loaded.state)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{loaded.path}: does not fit this run: {e}") from None
+    log(f"resumed from {loaded.path} at round {coordinator.committed_rounds} (global sha256 {coordinator.global_sha256()[:16]})")
