@@ -177,7 +177,7 @@ class Coordinator:
 
     def tick(self) -> RoundRecord | None:
         """Evicts sites whose lease ended and closes the round if the policy now allows it.
-        Called periodically (``serve`` runs a ticker); returns the record of a commit."""
+        Called periodically (``start_ticker``); returns the record of a commit."""
         with self._cv:
             evicted = self._members.expire()
             if evicted:
@@ -344,11 +344,11 @@ class Coordinator:
         committed = int(state["committed_rounds"])
         if not 0 <= committed <= self.cfg.total_rounds:
             raise ValueError(f"checkpoint has {committed} committed rounds; this run has {self.cfg.total_rounds}")
+        digest = params_sha256(state["outer"]["params"])  # checked before anything is loaded
+        if digest != state["global_sha256"]:
+            raise ValueError(f"checkpoint θ hashes to {digest[:16]}, the checkpoint says {str(state['global_sha256'])[:16]}")
         with self._cv:
             self._outer.load_state_dict(state["outer"])
-            digest = params_sha256(self._outer.params)
-            if digest != state["global_sha256"]:
-                raise ValueError(f"checkpoint θ hashes to {digest[:16]}, the checkpoint says {str(state['global_sha256'])[:16]}")
             self.run_id = str(state["run_id"])
             self._hash = digest
             self._open = committed
