@@ -33,6 +33,7 @@ class OuterSync:
         *,
         codec: CodecConfig | str = "fp32",
         error_feedback: bool = True,
+        error_feedback_decay: float = 1.0,
         chunk_bytes: int = MAX_CHUNK_BYTES,
         wait_poll_s: float = 30.0,
         round_timeout_s: float = 3600.0,
@@ -44,6 +45,7 @@ class OuterSync:
         self.codec = codec_config(codec).build()
         # Uplink error feedback: what the codec dropped this round is added to the next Δ.
         self.error_feedback = error_feedback and not is_lossless(self.codec.name)
+        self.error_feedback_decay = error_feedback_decay
         self._residual: dict[str, torch.Tensor] | None = None
         self.chunk_bytes = chunk_bytes
         self.wait_poll_s = wait_poll_s
@@ -109,7 +111,8 @@ class OuterSync:
         r = self.round
         delta = pseudo_gradient(self.global_params, self._params)
         if self._residual is not None:
-            delta = {n: d + self._residual[n] for n, d in delta.items()}
+            beta = self.error_feedback_decay
+            delta = {n: d + (self._residual[n] if beta == 1.0 else beta * self._residual[n]) for n, d in delta.items()}
         chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
         residual = None
         if self.error_feedback:

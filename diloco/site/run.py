@@ -44,7 +44,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     start = time.monotonic()
     tokens = 0
     with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as client:
-        sync = OuterSync(model, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, chunk_bytes=cfg.chunk_bytes, log=log)
+        sync = OuterSync(model, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, log=log)
         info = sync.join()
         # A site that joins late starts its lr schedule where the run is.
         trainer.steps_done = sync.round * cfg.sync_every
