@@ -11,6 +11,8 @@ bandwidth; ``enc+dec`` is the bandwidth of an encode followed by a decode (1 / (
 
     .venv/bin/python scripts/bench_codecs.py                 # model=small, 50 steps, 1 thread
     .venv/bin/python scripts/bench_codecs.py --model tiny --steps 10 --repeats 3   # quick
+
+``int8:torch`` is int8 on its torch path, without the compiled C loops (same bytes).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, model_config
 from diloco.site.inner import InnerConfig, InnerTrainer
 
-DEFAULT_CODECS = "fp32,fp16,bf16,int8,int4,e3m0,topk2bit,fp32+zstd,int8+zstd,topk2bit+zstd"
+DEFAULT_CODECS = "fp32,fp16,bf16,int8,int8:torch,int4,e3m0,topk2bit,fp32+zstd,int8+zstd,topk2bit+zstd"
 
 
 def pseudo_gradient(model_name: str, steps: int, seed: int) -> dict[str, torch.Tensor]:
@@ -75,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memcpy (torch clone) per tensor, as the codecs see them: {memcpy:.0f} MB/s (the ceiling below); of Δ as one flat tensor: {memcpy_flat:.0f} MB/s")
     print(f"{'codec':<15} {'bytes':>11} {'vs fp32':>8} {'bits/value':>10} {'enc MB/s':>9} {'dec MB/s':>9} {'enc+dec':>8} {'vs memcpy':>9} {'rel err':>8}")
     for name in [c.strip() for c in args.codecs.split(",") if c.strip()]:
-        codec = make_codec(name)
+        codec = make_codec(name.removesuffix(":torch"))
+        if name.endswith(":torch"):
+            codec.use_native = False
         chunks = list(encode_chunks(delta, codec=codec, round=0))
         size = sum(len(c.payload) for c in chunks)
         enc_s = timed(lambda: list(encode_chunks(delta, codec=codec, round=0)), args.repeats)

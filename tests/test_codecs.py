@@ -513,3 +513,13 @@ def test_random_corruption_raises_codec_error_or_decodes(name: str) -> None:
         except CodecError:
             continue
         assert y.dtype == torch.float32 and y.shape == (777,)
+
+
+def test_error_feedback_decay_scales_the_carried_residual() -> None:
+    from diloco.site.outer_sync import with_residual
+
+    delta = {"w": torch.tensor([1.0, -2.0])}
+    residual = {"w": torch.tensor([0.5, 0.25])}
+    assert torch.equal(with_residual(delta, residual, 1.0)["w"], torch.tensor([1.5, -1.75]))
+    assert torch.equal(with_residual(delta, residual, 0.5)["w"], torch.tensor([1.25, -1.875]))
+    assert torch.equal(with_residual(delta, residual, 0.0)["w"], delta["w"])

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.timeout(30)
         ({"quorum": {"lease_s": 0}}, "quorum.lease_s=0"),
         ({"quorum": {"deadline": "soon"}}, "deadline='soon'"),
         ({"quorum": {"colour": 1}}, "quorum.colour"),
+        ({"error_feedback_decay": 1.5}, "error_feedback_decay=1.5"),
+        ({"error_feedback_decay": -0.1}, "error_feedback_decay=-0.1"),
     ],
 )
 def test_bad_values_name_the_field(override: dict, field: str) -> None:

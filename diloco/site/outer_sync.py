@@ -17,6 +17,14 @@ from diloco.transport import CoordinatorClient, RemoteError
 from diloco.types import JoinInfo, PushHeader
 
 
+def with_residual(delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], decay: float) -> dict[str, torch.Tensor]:
+    """Δ + β × residual: what a site encodes with error feedback (β = 1: plain error
+    feedback; β < 1 lets old residual fade, as SparseLoCo's error buffer does)."""
+    if decay == 1.0:
+        return {n: d + residual[n] for n, d in delta.items()}
+    return {n: d + decay * residual[n] for n, d in delta.items()}
+
+
 class OuterSync:
     """Keeps this site's copy of the global parameters θ and syncs the model with it.
 
@@ -111,8 +119,7 @@ class OuterSync:
         r = self.round
         delta = pseudo_gradient(self.global_params, self._params)
         if self._residual is not None:
-            beta = self.error_feedback_decay
-            delta = {n: d + (self._residual[n] if beta == 1.0 else beta * self._residual[n]) for n, d in delta.items()}
+            delta = with_residual(delta, self._residual, self.error_feedback_decay)
         chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
         residual = None
         if self.error_feedback:
