@@ -10,8 +10,10 @@ from typing import Any
 
 from diloco.codec import CodecConfig, codec_config
 from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
+from diloco.faults import FaultsConfig, fault_to_dict
 from diloco.model import ModelConfig, model_config
 from diloco.outer import OuterConfig
 from diloco.site.inner import InnerConfig
@@ -42,6 +44,8 @@ class RunConfig:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     quorum: QuorumConfig = field(default_factory=QuorumConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)  # the coordinator's loss-spike guard
+    faults: FaultsConfig = field(default_factory=FaultsConfig)  # injected in the simulation only
     codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
     codec_down: CodecConfig | None = None  # downlink (update) encoding; None: the same as codec
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
@@ -57,6 +61,12 @@ class RunConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
+            raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
+        try:
+            self.faults.check_against(self.sites, self.rounds)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not (isinstance(self.error_feedback_decay, (int, float)) and 0.0 <= self.error_feedback_decay <= 1.0):
             raise ConfigError(f"error_feedback_decay={self.error_feedback_decay!r}: must be a number in [0, 1]")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -104,7 +114,10 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         inner = _build(InnerConfig, d.pop("inner", {}), "inner")
         outer = _build(OuterConfig, d.pop("outer", {}), "outer")
         quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
-        return _build(RunConfig, {**d, "model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum}, "")
+        guard = _build(GuardConfig, d.pop("guard", {}), "guard")
+        faults = _build(FaultsConfig, d.pop("faults", {}), "faults")
+        sections = {"model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "faults": faults}
+        return _build(RunConfig, {**d, **sections}, "")
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
@@ -125,4 +138,5 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain, JSON-able data that run_config_from_dict turns back into ``cfg``."""
     out = dataclasses.asdict(cfg)
     out["outer"]["kwargs"] = dict(cfg.outer.kwargs)
+    out["faults"] = {"events": [fault_to_dict(e) for e in cfg.faults.events]}
     return out

@@ -305,6 +305,13 @@ class ShardSampler:
         windows = self._train[starts[:, None] + self._offsets].long()
         return windows[:, :-1], windows[:, 1:]
 
+    def skip(self, batches: int) -> None:
+        """Moves on as if ``next_batch`` had been called ``batches`` times (a site that joins
+        at round r starts where its shard's data would be at round r, not at the start)."""
+        last_start = self._end - (self._context + 1)
+        for _ in range(batches):
+            torch.randint(self._start, last_start + 1, (self._batch_size,), generator=self._generator)
+
     def state_dict(self) -> dict[str, object]:
         """Sampler position; ``load_state_dict`` on a sampler for the same shard resumes it."""
         return {

@@ -10,15 +10,18 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Writes JSON to a temp file, fsyncs, renames: readers see the old or the new file, never half."""
+def write_json_atomic(path: Path, data: Any, fsync: bool = True) -> None:
+    """Writes JSON to a temp file, fsyncs, renames: readers see the old or the new file, never
+    half. ``fsync=False`` for progress files rewritten often, where losing the last write to a
+    machine crash is fine (a killed process loses nothing: the kernel has the data)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

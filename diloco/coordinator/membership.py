@@ -83,6 +83,11 @@ class Membership:
         return frozenset(s for s, m in self._members.items() if m.state == "active")
 
     @property
+    def not_left(self) -> frozenset[str]:
+        """Active or evicted: the sites that may still call (an evicted one to join again)."""
+        return frozenset(s for s, m in self._members.items() if m.state != "left")
+
+    @property
     def known(self) -> frozenset[str]:
         return frozenset(self._members)
 
@@ -91,9 +96,10 @@ class Membership:
         times = [m.expires_at for m in self._members.values() if m.state == "active"]
         return min(times) if times else None
 
-    def restore(self, snapshot: dict[str, dict[str, object]]) -> None:
-        """Loads ``snapshot``; active sites get a fresh lease (they have that long to show up)."""
-        expires = self._clock() + self.lease_s
+    def restore(self, snapshot: dict[str, dict[str, object]], grace_s: float = 0.0) -> None:
+        """Loads ``snapshot``; active sites get a fresh lease plus ``grace_s`` (they have that
+        long to show up)."""
+        expires = self._clock() + self.lease_s + grace_s
         self._members = {
             s: Member(s, str(d["state"]), expires, int(d["joins"]))  # type: ignore[arg-type]
             for s, d in snapshot.items()

@@ -3,6 +3,11 @@
 Runs in its own thread so evaluation overlaps the sites' next inner phase. A round's line is
 written once its downlink traffic is complete (the next round committed, or every site left),
 so bytes_down counts every pull of that round's update.
+
+A coordinator that restarted from a checkpoint first repairs the file: it cuts a line torn by
+the kill, and writes the lines of committed rounds its predecessor had not written yet (from
+the records in the checkpoint, marked ``"recovered": true``; their eval_bpb and bytes_down
+are unknown), so the rounds in metrics.jsonl stay consecutive, each exactly once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 import torch
 
 from diloco.coordinator.service import Coordinator, RoundRecord
-from diloco.io import append_jsonl
+from diloco.io import append_jsonl, read_jsonl
 
 
 class MetricsReporter:
@@ -34,6 +39,7 @@ class MetricsReporter:
         self._closing = threading.Event()
         self.final_eval_bpb: float | None = None
         self.lines = 0
+        self._recover()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
@@ -54,21 +60,51 @@ class MetricsReporter:
                 self.final_eval_bpb = eval_bpb
             while not self._closing.is_set() and not self._c.round_settled(record.round):
                 self._closing.wait(0.05)
-            line = {
-                "round": record.round,
-                "participants": record.participants,
-                "tokens": record.tokens,
-                "inner_steps": record.inner_steps,
-                "bytes_up": record.bytes_up,
-                "bytes_down": self._c.bytes_down(record.round),
-                "train_loss": record.train_loss,
-                "eval_bpb": eval_bpb,
-                "update_norm": record.update_norm,
-                "global_sha256": record.global_sha256,
-                "wall_s": round(record.wall_s, 4),
-                "elapsed_s": round(record.elapsed_s, 4),
-            }
-            append_jsonl(self.path, line)
+            append_jsonl(self.path, self._line(record.summary(), eval_bpb=eval_bpb, bytes_down=self._c.bytes_down(record.round)))
             self.lines += 1
             shown = f"{eval_bpb:.4f}" if eval_bpb is not None else "-"
-            self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}")
+            verdict = f" REJECTED: {record.guard}" if record.rejected else ""
+            self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}{verdict}")
+
+    def _line(self, rec: dict, *, eval_bpb: float | None, bytes_down: int | None, recovered: bool = False) -> dict:
+        return {
+            "round": rec["round"],
+            "participants": rec["participants"],
+            "absent": rec["absent"],
+            "evicted": rec["evicted"],
+            "late": self._c.late_pushes(rec["round"]),
+            "rejected": rec["rejected"],
+            "guard": rec["guard"],
+            "tokens": rec["tokens"],
+            "inner_steps": rec["inner_steps"],
+            "bytes_up": rec["bytes_up"],
+            "bytes_down": bytes_down,
+            "train_loss": rec["train_loss"],
+            "eval_bpb": eval_bpb,
+            "update_norm": rec["update_norm"],
+            "delta_norm": rec["delta_norm"],
+            "global_sha256": rec["global_sha256"],
+            "wall_s": round(rec["wall_s"], 4),
+            "elapsed_s": round(rec["elapsed_s"], 4),
+            **({"recovered": True} if recovered else {}),
+        }
+
+    def _recover(self) -> None:
+        """Cuts a torn last line and writes the committed rounds' missing lines (see above)."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+        written = {line["round"] for line in read_jsonl(self.path)}
+        last = max(written, default=-1)
+        records = self._c.recent_records()
+        for r in range(last + 1, self._c.committed_rounds):
+            rec = records.get(r)
+            if rec is None:
+                self._log(f"metrics: round {r} was committed before the restart but its record is gone; its line is missing")
+                continue
+            append_jsonl(self.path, self._line(rec, eval_bpb=None, bytes_down=None, recovered=True))
+            self.lines += 1
+            self._log(f"metrics: wrote the line of round {r}, committed before the restart")

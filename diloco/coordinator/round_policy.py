@@ -25,6 +25,7 @@ class QuorumConfig:
     coordinator's option)."""
 
     lease_s: float = 60.0  # a site silent this long (no call, no heartbeat) is evicted until it joins again
+    min_sites: int | None = None  # a round never closes with fewer pushes; None: every site of the run
     deadline: str = "none"
     deadline_s: float = 60.0
     deadline_factor: float = 1.5
@@ -32,6 +33,8 @@ class QuorumConfig:
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
             raise ValueError(f"quorum.lease_s={self.lease_s}: must be > 0")
+        if self.min_sites is not None and not (isinstance(self.min_sites, int) and self.min_sites >= 1):
+            raise ValueError(f"quorum.min_sites={self.min_sites!r}: must be null or an integer >= 1")
         RoundPolicy(deadline=self.deadline, deadline_s=self.deadline_s, deadline_factor=self.deadline_factor)
 
 

@@ -15,6 +15,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.metrics import MetricsReporter
 from diloco.coordinator.service import Coordinator, CoordinatorConfig
 from diloco.data import eval_batches, load_corpus
+from diloco.faults import FaultPlan, coordinator_hooks
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model, count_params
 from diloco.site.inner import evaluate_bpb
@@ -29,6 +30,7 @@ class CoordinatorOptions:
     linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
     port_file: str | None = None
     checkpoint_dir: str | None = None  # checkpoint every round there; resume from it on start
+    faults: FaultPlan | None = None  # injected faults (simulation only)
 
 
 def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -52,7 +54,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
         cfg.outer,
         CoordinatorConfig(
             total_rounds=cfg.rounds,
-            min_sites=opts.min_sites or cfg.sites,
+            min_sites=_min_sites(cfg, opts),
             lease_s=cfg.quorum.lease_s,
             deadline=cfg.quorum.deadline,
             deadline_s=cfg.quorum.deadline_s,
@@ -62,17 +64,22 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
             chunk_bytes=cfg.chunk_bytes,
             snapshot_every=cfg.eval_every,
             checkpoint_dir=opts.checkpoint_dir,
+            guard=cfg.guard,
         ),
     )
     if opts.checkpoint_dir:
         _resume(coordinator, Path(opts.checkpoint_dir), log)
     reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, log=log)
     coordinator.on_commit.append(reporter.submit)
+    if opts.faults is not None:
+        kill_between, kill_mid = coordinator_hooks(opts.faults)
+        coordinator.on_commit.append(lambda record: kill_between(record.round))
+        coordinator.on_push.append(kill_mid)
     server, port = serve(coordinator, opts.host, opts.port)
     stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
     try:
-        log(f"coordinator listening on {opts.host}:{port}: {count_params(model)} params, {cfg.rounds} rounds, waiting for {opts.min_sites or cfg.sites} site(s)")
+        log(f"coordinator listening on {opts.host}:{port}: {count_params(model)} params, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s)")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
         finished_at: float | None = None
@@ -83,6 +90,9 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
                     log(f"not every site left within {opts.linger_s:.0f}s after the last round; stopping anyway")
                     break
         reporter.close()
+        if reporter.final_eval_bpb is None and coordinator.finished:
+            # The last round was committed by a predecessor that was killed before evaluating.
+            reporter.final_eval_bpb = evaluate(coordinator.global_params())
     finally:
         stop_ticker()
         server.stop(grace=2.0).wait(5.0)
@@ -113,3 +123,7 @@ def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{loaded.path}: does not fit this run: {e}") from None
     log(f"resumed from {loaded.path} at round {coordinator.committed_rounds} (global sha256 {coordinator.global_sha256()[:16]})")
+
+
+def _min_sites(cfg: RunConfig, opts: CoordinatorOptions) -> int:
+    return opts.min_sites or cfg.quorum.min_sites or cfg.sites

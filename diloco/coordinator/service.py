@@ -25,6 +25,7 @@ from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.checkpoint import save_checkpoint
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.round_policy import RoundPolicy
 from diloco.outer import OuterConfig, OuterOptimizer, WeightedMean, params_sha256
@@ -46,6 +47,7 @@ class CoordinatorConfig:
     keep_updates: int = 2  # committed updates kept for PullUpdate; older ones need PullGlobal
     snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
     checkpoint_dir: str | None = None  # write an atomic checkpoint here after every commit, before publishing it
+    guard: GuardConfig = field(default_factory=GuardConfig)  # the loss-spike guard (off by default)
 
     def __post_init__(self) -> None:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
@@ -74,6 +76,15 @@ class RoundRecord:
     wall_s: float  # from the round's opening (previous commit or start) to its commit
     elapsed_s: float  # from coordinator start to this commit
     params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    delta_norm: float = 0.0  # of the participants' weighted mean Δ (what the guard judges)
+    rejected: bool = False  # the guard rejected the round: θ did not move
+    guard: str | None = None  # the guard's figures when it rejected the round
+    absent: list[str] = field(default_factory=list)  # active sites that did not push this round
+    evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the θ snapshot (kept in checkpoints, to rewrite lost metrics lines)."""
+        return {k: v for k, v in self.__dict__.items() if k != "params"}
 
 
 class Coordinator:
@@ -109,7 +120,13 @@ class Coordinator:
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         for _ in range(cfg.max_concurrent_pushes):
             self._staging.put({})
+        self._guard = SpikeGuard(cfg.guard)
+        # open round -> pushes refused while it was open, for rounds already closed without them
+        self._late: dict[int, list[dict[str, Any]]] = {}
+        self._evicted: list[str] = []  # evicted while the open round was open
+        self._records: dict[int, dict[str, Any]] = {}  # the last few rounds' RoundRecord.summary()
         self.on_commit: list[Callable[[RoundRecord], None]] = []
+        self.on_push: list[Callable[[int], None]] = []  # called with the round after each accepted push
 
     # ---- read-only views -------------------------------------------------------------
     @property
@@ -181,6 +198,7 @@ class Coordinator:
         with self._cv:
             evicted = self._members.expire()
             if evicted:
+                self._evicted.extend(evicted)
                 self._cv.notify_all()
             record = self._maybe_commit() if self._open < self.cfg.total_rounds else None
         if record is not None:
@@ -246,6 +264,8 @@ class Coordinator:
                 record = self._maybe_commit()
         finally:
             self._staging.put(staging)
+        for push_listener in self.on_push:
+            push_listener(header.round)
         if record is not None:
             for listener in self.on_commit:
                 listener(record)
@@ -261,6 +281,9 @@ class Coordinator:
         if header.round < self._open:
             if header.site_id in self._participants.get(header.round, ()):
                 return True
+            late = self._late.setdefault(self._open, [])
+            if {"site": header.site_id, "round": header.round} not in late:
+                late.append({"site": header.site_id, "round": header.round})
             raise CoordinatorError(
                 "aborted", f"round {header.round} was committed without site {header.site_id!r} (open round is {self._open}); pull the global parameters and go on"
             )
@@ -273,7 +296,14 @@ class Coordinator:
         if not self._policy.should_close(self._clock(), self._round_start, self._pushed_at, self._members.active):
             return None
         r = self._open
-        update = self._outer.step(self._acc.mean(), transmit=lambda u: self._transmit(r, u))
+        mean = self._acc.mean()
+        verdict = self._guard.judge(_norm(mean))
+        if verdict.accepted:
+            update = self._outer.step(mean, transmit=lambda u: self._transmit(r, u))
+        else:
+            # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
+            update = {n: torch.zeros_like(p) for n, p in self._outer.params.items()}
+            self._updates[r] = list(encode_chunks(update, codec=self._codec_down, round=r, chunk_bytes=self.cfg.chunk_bytes))
         for old in [k for k in self._updates if k <= r - self.cfg.keep_updates]:
             del self._updates[old]
         self._hash = params_sha256(self._outer.params)
@@ -289,13 +319,22 @@ class Coordinator:
             inner_steps=sum(h.inner_steps for h in headers),
             bytes_up=self._push_bytes,
             train_loss=_weighted_loss(headers),
-            update_norm=float(torch.sqrt(sum((u.double() ** 2).sum() for u in update.values()))),
+            update_norm=_norm(update),
+            delta_norm=verdict.norm,
+            rejected=not verdict.accepted,
+            guard=None if verdict.accepted else verdict.describe(),
+            absent=sorted(self._members.active - pushed),
+            evicted=sorted(set(self._evicted)),
             global_sha256=self._hash,
             wall_s=now - self._round_start,
             elapsed_s=now - self._start,
             params={n: p.clone() for n, p in self._outer.params.items()} if snapshot else None,
         )
         self._participants[r] = record.participants
+        self._records[r] = record.summary()
+        for old in [k for k in self._records if k <= r - _KEEP_RECORDS]:
+            del self._records[old]
+        self._evicted = []
         self._open = r + 1
         if self.cfg.checkpoint_dir is not None:
             # Before any site can see the round committed: a restart never loses a published round.
@@ -335,6 +374,8 @@ class Coordinator:
             "down_residual": self._down_residual,
             "members": self._members.snapshot(),
             "participants": {str(r): list(p) for r, p in self._participants.items()},
+            "records": {str(r): rec for r, rec in self._records.items()},
+            "guard_history": self._guard.history,
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -354,11 +395,17 @@ class Coordinator:
             self._open = committed
             self._down_residual = state["down_residual"]
             self._participants = {int(r): list(p) for r, p in state["participants"].items()}
-            self._members.restore(state["members"])
+            # Sites reconnect with backoff (at most 4 s apart) while this process starts serving.
+            self._members.restore(state["members"], grace_s=RESTART_GRACE_S)
+            self._records = {int(r): dict(rec) for r, rec in state.get("records", {}).items()}
+            self._guard = SpikeGuard(self.cfg.guard, list(state.get("guard_history", [])))
             self._acc = WeightedMean(self._shapes)
             self._pushes, self._pushed_at, self._push_bytes = {}, {}, 0
             self._updates, self._global_chunks = {}, None
             self._round_start = self._clock()
+            last = self._records.get(committed - 1)
+            if last is not None:  # elapsed_s goes on from where the predecessor stopped
+                self._start = self._round_start - float(last["elapsed_s"])
 
     # ---- pulls -----------------------------------------------------------------------
     def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:
@@ -392,6 +439,19 @@ class Coordinator:
             self._bytes_down[self._open] = self._bytes_down.get(self._open, 0) + sum(len(c.payload) for c in chunks)
             return chunks
 
+    def late_pushes(self, round: int) -> list[dict[str, Any]]:
+        """Pushes ({"site", "round"}) that arrived while ``round`` was open, for rounds committed
+        without them; for the last round, also those that arrived after it was committed."""
+        with self._cv:
+            last = round + 1 >= self.cfg.total_rounds
+            return [p for r in sorted(self._late) if r == round or (last and r > round) for p in self._late[r]]
+
+    def recent_records(self) -> dict[int, dict[str, Any]]:
+        """RoundRecord.summary() of the last few committed rounds (restored from a checkpoint
+        too: a restarted coordinator rewrites the metrics lines its predecessor had not)."""
+        with self._cv:
+            return {r: dict(rec) for r, rec in self._records.items()}
+
     def round_settled(self, round: int) -> bool:
         """True once no more pulls of ``round``'s update are expected: the next round is
         committed (every participant has pulled it) or every site has left."""
@@ -399,9 +459,18 @@ class Coordinator:
             return self._open > round + 1 or (self._open > round and not self._members.active)
 
     def wait_all_left(self, timeout_s: float) -> bool:
-        """After the last round: waits until every member has left; False on timeout."""
+        """After the last round: waits until every site has left, evicted ones too (a site cut
+        off near the end comes back, joins again, pulls θ and leaves); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._open >= self.cfg.total_rounds and not self._members.active, timeout=timeout_s)
+            return self._cv.wait_for(lambda: self._open >= self.cfg.total_rounds and not self._members.not_left, timeout=timeout_s)
+
+
+_KEEP_RECORDS = 16
+RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
+
+
+def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
 
 
 def _weighted_loss(headers: list[PushHeader]) -> float | None:

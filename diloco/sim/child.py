@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from diloco.config import run_config_from_dict
+from diloco.faults import FaultPlan, SiteFaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--init-file", type=Path)
+    p.add_argument("--port", type=int, default=0, help="coordinator: the port to listen on (0: any)")
+    p.add_argument("--checkpoint-dir", help="coordinator: checkpoint every round there, resume from it")
+    p.add_argument("--incarnation", type=int, default=0, help="how many times this process was started again")
+    p.add_argument("--skip-faults", default="", help="indices of fault events that fired already")
     args = p.parse_args(argv)
     cfg = run_config_from_dict(json.loads(args.config.read_text()))
+    process = "coordinator" if args.role == "coordinator" else f"site {args.site_id}"
+    skip = [int(i) for i in args.skip_faults.split(",") if i]
+    plan = FaultPlan(cfg.faults.events, args.run_dir, process, skip) if cfg.faults.events else None
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -34,11 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "coordinator":
         from diloco.coordinator.run import CoordinatorOptions, run_coordinator
 
-        run_coordinator(cfg, CoordinatorOptions(host="127.0.0.1", port=0, port_file=args.port_file), args.run_dir, log=log)
+        opts = CoordinatorOptions(host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir, faults=plan)
+        run_coordinator(cfg, opts, args.run_dir, log=log)
     elif args.role == "site":
         from diloco.site.run import SiteOptions, run_site
 
-        run_site(cfg, SiteOptions(site_id=args.site_id, coordinator=args.coordinator), args.run_dir, log=log)
+        faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan else None
+        opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, faults=faults, incarnation=args.incarnation)
+        run_site(cfg, opts, args.run_dir, log=log)
     else:
         from diloco.baseline.data_parallel import run_data_parallel
 

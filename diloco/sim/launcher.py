@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typing import IO, Any
 
 from diloco.config import RunConfig, run_config_to_dict
 from diloco.data import load_corpus
+from diloco.faults import FIRED_FILE, read_fired
 from diloco.io import read_jsonl, write_json_atomic
 
 
@@ -35,6 +37,10 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes] = field(repr=False)
+    cmd: list[str] = field(default_factory=list)  # without --incarnation / --skip-faults
+    incarnation: int = 0
+    restart_at: float | None = None  # a planned kill: start it again then (monotonic)
+    gone: bool = False  # killed for good (restart_after_s < 0)
 
 
 def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, progress: Callable[[str], None] | None = print) -> dict[str, Any]:
@@ -48,8 +54,10 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
     # Fail on bad data here, before any process starts (DataError names the path).
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "global.json", "summary.json", "coordinator.port.json"):
+    for stale in ("metrics.jsonl", "global.json", "summary.json", "coordinator.port.json", FIRED_FILE):
         (run_dir / stale).unlink(missing_ok=True)
+    for stale_dir in ("checkpoints", "progress", "workers"):
+        shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     config_path = run_dir / "config.json"
     write_json_atomic(config_path, run_config_to_dict(cfg))
     procs: list[_Proc] = []
@@ -61,8 +69,11 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
     try:
         if cfg.mode == "diloco":
             port_file = run_dir / "coordinator.port.json"
-            procs.append(_start("coordinator", base + ["coordinator", *common, "--port-file", str(port_file)], run_dir))
+            # Checkpoints every round: a coordinator killed by a fault resumes from them.
+            coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints")]
+            procs.append(_start("coordinator", coordinator, run_dir))
             port = _wait_port(port_file, procs[0], deadline=start + 120)
+            procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
             address = f"127.0.0.1:{port}"
             say(f"coordinator on {address}; starting {cfg.sites} site(s)")
             for s in range(cfg.sites):
@@ -83,13 +94,15 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
     return summary
 
 
-def _start(name: str, cmd: list[str], run_dir: Path) -> _Proc:
-    log_path = run_dir / "logs" / (name.replace(" ", "") + ".log")
+def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_faults: list[int] | None = None) -> _Proc:
+    suffix = f".{incarnation}" if incarnation else ""
+    log_path = run_dir / "logs" / (name.replace(" ", "") + suffix + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "wb")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
-    return _Proc(name, popen, log_path, log_file)
+    extra = ["--incarnation", str(incarnation), "--skip-faults", ",".join(map(str, skip_faults or []))]
+    popen = subprocess.Popen(cmd + extra, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+    return _Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation)
 
 
 def _die_with_parent() -> None:
@@ -124,17 +137,37 @@ def _failure(p: _Proc) -> str:
 
 def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: float, say: Callable[[str], None]) -> None:
     shown = 0
+    handled = 0  # fired fault events already read
+    kills: list[dict[str, Any]] = []  # planned kills whose process has not been seen dead yet
     metrics = run_dir / "metrics.jsonl"
     while True:
+        fired = read_fired(run_dir)
+        for event in fired[handled:]:
+            say(f"fault: {_describe_fired(event)}")
+        kills += [e for e in fired[handled:] if "restart_after_s" in e]
+        handled = len(fired)
         for p in procs:
             code = p.popen.poll()
-            if code not in (None, 0):
+            if code in (None, 0) or p.restart_at is not None or p.gone:
+                continue
+            planned = next((e for e in kills if e["process"] == p.name), None)
+            if code != -signal.SIGKILL or planned is None:
                 raise SimError(_failure(p))
+            kills.remove(planned)
+            if planned["restart_after_s"] < 0:
+                p.gone = True
+            else:
+                p.restart_at = time.monotonic() + planned["restart_after_s"]
+        for i, p in enumerate(procs):
+            if p.restart_at is not None and time.monotonic() >= p.restart_at:
+                p.log_file.close()
+                procs[i] = _start(p.name, p.cmd, run_dir, p.incarnation + 1, sorted({e["event"] for e in read_fired(run_dir)}))
+                say(f"started {p.name} again (incarnation {p.incarnation + 1})")
         lines = read_jsonl(metrics) if metrics.exists() else []
         for line in lines[shown:]:
             say(_progress_line(line, cfg))
         shown = len(lines)
-        if all(p.popen.poll() == 0 for p in procs):
+        if all(p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs):
             return
         if time.monotonic() > deadline:
             running = ", ".join(p.name for p in procs if p.popen.poll() is None)
@@ -142,12 +175,17 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
         time.sleep(0.2)
 
 
+def _describe_fired(e: dict[str, Any]) -> str:
+    details = ", ".join(f"{k}={e[k]}" for k in ("round", "phase", "seconds", "restart_after_s") if k in e)
+    return f"{e['kind']} ({e['process']}; {details})"
+
+
 def _progress_line(m: dict[str, Any], cfg: RunConfig) -> str:
     ev = f"{m['eval_bpb']:.4f}" if m.get("eval_bpb") is not None else "  -   "
     loss = f"{m['train_loss']:.4f}" if m.get("train_loss") is not None else "-"
     return (
         f"round {m['round'] + 1:>3}/{cfg.rounds}  workers {len(m['participants'])}  train_loss {loss}  "
-        f"eval_bpb {ev}  up {m['bytes_up'] / 1e6:8.2f} MB  down {m['bytes_down'] / 1e6:8.2f} MB  {m['elapsed_s']:7.1f} s"
+        f"eval_bpb {ev}  up {m['bytes_up'] / 1e6:8.2f} MB  down {(m['bytes_down'] or 0) / 1e6:8.2f} MB  {m['elapsed_s']:7.1f} s"
     )
 
 
@@ -168,12 +206,19 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
     workers = {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))}
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     site_hashes = {sid: w["global_sha256"] for sid, w in sorted(workers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
+    # Goodput: tokens in committed (not rejected) rounds over every token any site trained,
+    # counting the work of killed processes and dropped rounds (progress/<site>.<incarnation>).
+    trained = sum(json.loads(p.read_text())["tokens"] for p in (run_dir / "progress").glob("*.json"))
+    committed = sum(m["tokens"] for m in metrics if not m.get("rejected"))
     return {
         "mode": cfg.mode,
         "sites": cfg.workers,
         "sync_every": cfg.sync_every,
         "rounds": cfg.rounds,
         "rounds_committed": global_info["rounds_committed"],
+        "rounds_rejected": sum(1 for m in metrics if m.get("rejected")),
+        "faults_injected": read_fired(run_dir),
+        "goodput": round(committed / trained, 4) if trained else None,
         "model": cfg.model.name,
         "codec": cfg.codec.describe(),
         "codec_down": cfg.downlink_codec.describe(),
@@ -183,7 +228,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         "final_eval_bpb": global_info["final_eval_bpb"],
         "final_train_loss": metrics[-1]["train_loss"] if metrics else None,
         "bytes_up": sum(m["bytes_up"] for m in metrics),
-        "bytes_down": sum(m["bytes_down"] for m in metrics),
+        "bytes_down": sum(m["bytes_down"] or 0 for m in metrics),
         "wall_s": round(wall_s, 3),
         "global_sha256": global_info["global_sha256"],
         "site_global_sha256": site_hashes,

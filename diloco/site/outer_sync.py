@@ -17,6 +17,28 @@ from diloco.transport import CoordinatorClient, RemoteError
 from diloco.types import JoinInfo, PushHeader
 
 
+# The coordinator could not be reached (it is restarting, was stopped, or the network failed): retry.
+RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+
+
+class _Backoff:
+    """Exponential backoff (0.25 s doubling to 4 s) for at most ``limit_s`` in all."""
+
+    def __init__(self, limit_s: float) -> None:
+        self._give_up_at = time.monotonic() + limit_s
+        self._delay = 0.25
+        self._tries = 0
+
+    def wait(self, error: RemoteError, log: Callable[[str], None], what: str) -> None:
+        if time.monotonic() + self._delay > self._give_up_at:
+            raise error
+        if self._tries == 0:
+            log(f"{what}: {error}; retrying with backoff")
+        self._tries += 1
+        time.sleep(self._delay)
+        self._delay = min(2 * self._delay, 4.0)
+
+
 def with_residual(delta: dict[str, torch.Tensor], residual: dict[str, torch.Tensor], decay: float) -> dict[str, torch.Tensor]:
     """Δ + β × residual: what a site encodes with error feedback (β = 1: plain error
     feedback; β < 1 lets old residual fade, as SparseLoCo's error buffer does)."""
@@ -45,6 +67,8 @@ class OuterSync:
         chunk_bytes: int = MAX_CHUNK_BYTES,
         wait_poll_s: float = 30.0,
         round_timeout_s: float = 3600.0,
+        reconnect_timeout_s: float = 300.0,
+        before_push: Callable[[int], None] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model
@@ -58,6 +82,9 @@ class OuterSync:
         self.chunk_bytes = chunk_bytes
         self.wait_poll_s = wait_poll_s
         self.round_timeout_s = round_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s  # give up when unreachable this long
+        self.before_push = before_push  # a hook called with the round before each push (fault injection)
+        self.reconnects = 0  # calls that failed because the coordinator could not be reached
         self._log = log or (lambda _msg: None)
         self._params = dict(model.named_parameters())
         self._specs = fingerprint(self._params)
@@ -129,23 +156,35 @@ class OuterSync:
             decoded = sent.finish()
             residual = {n: delta[n] - decoded[n] for n in delta}
         header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps)
-        try:
-            result = self.client.push(header, iter(chunks))
-        except RemoteError as e:
-            if e.code not in ("ABORTED", "FAILED_PRECONDITION"):
+        if self.before_push is not None:
+            self.before_push(r)
+        backoff = _Backoff(self.reconnect_timeout_s)
+        while True:
+            # Push, wait, pull; when the coordinator cannot be reached (it restarted, or the
+            # network failed), back off and start again from the push: pushes are idempotent
+            # (a repeat of a counted push is answered "duplicate"), and a coordinator that
+            # restarted from its checkpoint has lost the pushes of its open round.
+            stage = "push"
+            try:
+                result = self.client.push(header, iter(chunks))
+                self.bytes_up += result.payload_bytes
+                self._residual = residual  # only a push that counted moves the residual on
+                stage = "pull"
+                self._wait_committed(r)
+                assembler = ChunkAssembler(self._specs)
+                for c in self.client.pull_update(self.site_id, r):
+                    assembler.add(c)
+                break
+            except RemoteError as e:
+                if e.code in RETRYABLE:
+                    self.reconnects += 1
+                    backoff.wait(e, self._log, f"site {self.site_id} round {r} {stage}")
+                    continue
+                if stage == "push" and e.code in ("ABORTED", "FAILED_PRECONDITION"):
+                    return self._catch_up(r, e, dropped=True)
+                if stage == "pull" and e.code in ("FAILED_PRECONDITION", "NOT_FOUND"):
+                    return self._catch_up(r, e, dropped=False)
                 raise
-            return self._catch_up(r, e)
-        self.bytes_up += result.payload_bytes
-        self._residual = residual  # only a push that counted moves the residual on
-        try:
-            self._wait_committed(r)
-            assembler = ChunkAssembler(self._specs)
-            for c in self.client.pull_update(self.site_id, r):
-                assembler.add(c)
-        except RemoteError as e:
-            if e.code not in ("FAILED_PRECONDITION", "NOT_FOUND"):
-                raise
-            return self._catch_up(r, e)
         apply_update(self.global_params, assembler.finish())
         self.bytes_down += assembler.payload_bytes
         self._load_global_into_model()
@@ -154,17 +193,32 @@ class OuterSync:
         self.round_hashes[r] = digest
         return digest
 
-    def _catch_up(self, r: int, why: RemoteError) -> str:
-        """Drops round r's work and loads θ whole, joining again when the coordinator asks for it."""
-        self.dropped_rounds.append(r)
+    def _catch_up(self, r: int, why: RemoteError, dropped: bool) -> str:
+        """Loads θ whole, joining again when the coordinator asks for it; ``dropped``: round
+        r's work did not count (else it counted, and only its update is gone, e.g. after a
+        coordinator restart)."""
+        if dropped:
+            self.dropped_rounds.append(r)
         if why.code == "FAILED_PRECONDITION":
             self._log(f"site {self.site_id}: {why.message}; joining again")
             self.rejoins += 1
-            self.client.join(self.site_id, self._specs.values())
+            self._call(lambda: self.client.join(self.site_id, self._specs.values()), "join")
         else:
             self._log(f"site {self.site_id}: {why.message}")
-        self._pull_global()
+        self._call(self._pull_global, "pull of θ")
         return params_sha256(self.global_params)
+
+    def _call(self, fn: Callable[[], object], what: str) -> object:
+        """fn(), retried with backoff while the coordinator cannot be reached."""
+        backoff = _Backoff(self.reconnect_timeout_s)
+        while True:
+            try:
+                return fn()
+            except RemoteError as e:
+                if e.code not in RETRYABLE:
+                    raise
+                self.reconnects += 1
+                backoff.wait(e, self._log, f"site {self.site_id} {what}")
 
     def _wait_committed(self, r: int) -> None:
         deadline = time.monotonic() + self.round_timeout_s
@@ -173,7 +227,7 @@ class OuterSync:
             if status.committed_rounds > r:
                 return
             if time.monotonic() > deadline:
-                raise RemoteError("DEADLINE_EXCEEDED", f"round {r} was not committed within {self.round_timeout_s:.0f}s")
+                raise RemoteError("ROUND_TIMEOUT", f"round {r} was not committed within {self.round_timeout_s:.0f}s")
             self._log(f"site {self.site_id}: waiting for round {r} to close")
 
     def global_sha256(self) -> str:
@@ -181,5 +235,5 @@ class OuterSync:
 
     def leave(self) -> None:
         self.close()
-        self.client.leave(self.site_id, self.global_sha256())
+        self._call(lambda: self.client.leave(self.site_id, self.global_sha256()), "leave")
 

@@ -12,6 +12,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.data import ShardSampler, load_corpus
+from diloco.faults import SiteFaults
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.site.inner import InnerTrainer
@@ -25,6 +26,8 @@ class SiteOptions:
     coordinator: str = "127.0.0.1:50051"
     shard: int | None = None  # data shard (0 .. sites-1); default: the site id, if it is a number
     connect_timeout_s: float = 120.0
+    faults: SiteFaults | None = None  # injected faults (simulation only)
+    incarnation: int = 0  # how many times this site was started again (its progress file's name)
 
     def data_shard(self, num_shards: int) -> int:
         shard = self.shard if self.shard is not None else int(self.site_id) if self.site_id.isdigit() else None
@@ -43,15 +46,34 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_steps)
     start = time.monotonic()
     tokens = 0
-    with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as client:
-        sync = OuterSync(model, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, log=log)
+    faults = opts.faults
+    # Every token this process trains, counted as it goes (goodput: the simulator compares it
+    # with the tokens that made it into committed rounds); rewritten each step, so a killed
+    # site's count is at most one step behind.
+    progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
+    trained = 0
+    with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as real_client:
+        client = faults.wrap(real_client) if faults else real_client
+        sync = OuterSync(
+            model, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay,
+            chunk_bytes=cfg.chunk_bytes, log=log, before_push=faults.before_push if faults else None,
+        )  # fmt: skip
         info = sync.join()
-        # A site that joins late starts its lr schedule where the run is.
+        # A site that joins late (or again, after a crash) starts its lr schedule and its
+        # data where the run is; its inner optimizer state starts fresh.
         trainer.steps_done = sync.round * cfg.sync_every
-        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites})")
+        sampler.skip(sync.round * cfg.sync_every)
+        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation})")
         try:
             while not sync.finished:
-                losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
+                losses = []
+                for step in range(cfg.sync_every):
+                    t0 = time.monotonic()
+                    losses.append(trainer.step(*sampler.next_batch()))
+                    trained += sampler.tokens_per_batch
+                    write_json_atomic(progress, {"tokens": trained}, fsync=False)
+                    if faults:
+                        faults.after_step(sync.round, step, cfg.sync_every, time.monotonic() - t0)
                 round_tokens = cfg.sync_every * sampler.tokens_per_batch
                 digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
                 tokens += round_tokens
@@ -69,6 +91,10 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         "inner_steps": trainer.steps_done,
         "bytes_up": sync.bytes_up,
         "bytes_down": sync.bytes_down,
+        "dropped_rounds": sync.dropped_rounds,
+        "rejoins": sync.rejoins,
+        "reconnects": sync.reconnects,
+        "incarnation": opts.incarnation,
         "global_sha256": sync.global_sha256(),
         "round_sha256": {str(r): h for r, h in sorted(sync.round_hashes.items())},
         "wall_s": round(time.monotonic() - start, 3),

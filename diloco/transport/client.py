@@ -41,7 +41,15 @@ class CoordinatorClient:
         self.connect_timeout_s = connect_timeout_s
         self._channel = grpc.insecure_channel(
             address,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Reconnect to a restarted coordinator within seconds (gRPC's default backoff
+                # grows to 120 s).
+                ("grpc.initial_reconnect_backoff_ms", 250),
+                ("grpc.min_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 4000),
+            ],
         )
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 

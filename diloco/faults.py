@@ -1,0 +1,276 @@
+"""Fault injection for the simulation: which faults a run suffers, and the hooks that make
+them happen inside the real processes.
+
+A process injects its own faults at the exact moment they are meant to happen (a site in
+the middle of its push stream, the coordinator right after a commit) and kills itself with a
+real SIGKILL; before dying it appends a line to ``<run_dir>/faults.jsonl`` so that the
+simulator knows the death was planned and when to start the process again. Each event fires
+at most once per run: a restarted process is told which events already fired.
+
+Kinds (``faults.events`` in the run config, a list of mappings):
+
+* ``kill_site``: ``site``, ``at_round``, ``phase`` (``inner``: half-way through the inner
+  phase of round at_round; ``push``: after the first chunk of its push was handed to gRPC;
+  ``pull``: after its update of round at_round arrived, before it is applied),
+  ``restart_after_s`` (default 5; a negative value: never restarted).
+* ``kill_coordinator``: ``at_round``, ``phase`` (``between``: right after round at_round was
+  committed; ``mid``: when the first push of round at_round arrives), ``restart_after_s``.
+* ``slow_site``: ``site``, ``factor`` (> 1): each inner step takes factor times as long
+  (the site sleeps (factor - 1) x the step's time after it), from ``at_round`` (default 0).
+* ``drop_push``: ``prob``: each push attempt is lost on the way with this probability (the
+  site sees the connection fail and sends it again); ``site`` (default: every site).
+* ``partition_site``: ``site``, ``at_round``, ``seconds``: from the moment the site wants to
+  push round at_round, every call it makes fails as if the network were cut, for ``seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site")
+_PHASES = {"kill_site": ("inner", "push", "pull"), "kill_coordinator": ("between", "mid")}
+_REQUIRED = {
+    "kill_site": ("site", "at_round"),
+    "kill_coordinator": ("at_round",),
+    "slow_site": ("site", "factor"),
+    "drop_push": ("prob",),
+    "partition_site": ("site", "at_round", "seconds"),
+}
+_ALLOWED = {
+    "kill_site": ("site", "at_round", "phase", "restart_after_s"),
+    "kill_coordinator": ("at_round", "phase", "restart_after_s"),
+    "slow_site": ("site", "factor", "at_round"),
+    "drop_push": ("prob", "site"),
+    "partition_site": ("site", "at_round", "seconds"),
+}
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    kind: str
+    site: int | None = None
+    at_round: int | None = None
+    phase: str | None = None
+    restart_after_s: float = 5.0
+    factor: float = 1.0
+    prob: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def kills(self) -> bool:
+        return self.kind in ("kill_site", "kill_coordinator")
+
+
+def fault_event(d: Mapping[str, Any], index: int = 0) -> FaultEvent:
+    """One event from plain data; every problem names the event and the key."""
+    where = f"faults.events[{index}]"
+    d = dict(d)
+    kind = d.pop("kind", None)
+    if kind not in KINDS:
+        raise ValueError(f"{where}.kind={kind!r}: must be one of {', '.join(KINDS)}")
+    unknown = sorted(set(d) - set(_ALLOWED[kind]))
+    if unknown:
+        raise ValueError(f"{where}: {kind} takes no {', '.join(unknown)} (it takes {', '.join(_ALLOWED[kind])})")
+    missing = [k for k in _REQUIRED[kind] if d.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: {kind} needs {', '.join(missing)}")
+    for key in ("site", "at_round"):
+        if key in d and not (isinstance(d[key], int) and d[key] >= 0):
+            raise ValueError(f"{where}.{key}={d[key]!r}: must be an integer >= 0")
+    if kind in _PHASES:
+        d.setdefault("phase", _PHASES[kind][0])
+        if d["phase"] not in _PHASES[kind]:
+            raise ValueError(f"{where}.phase={d['phase']!r}: {kind} takes one of {', '.join(_PHASES[kind])}")
+    for key in ("restart_after_s", "factor", "prob", "seconds"):
+        if key in d and not isinstance(d[key], (int, float)):
+            raise ValueError(f"{where}.{key}={d[key]!r}: must be a number")
+    if kind == "slow_site" and not d["factor"] >= 1:
+        raise ValueError(f"{where}.factor={d['factor']}: must be >= 1")
+    if kind == "drop_push" and not 0 <= d["prob"] < 1:
+        raise ValueError(f"{where}.prob={d['prob']}: must be in [0, 1)")
+    if kind == "partition_site" and not d["seconds"] > 0:
+        raise ValueError(f"{where}.seconds={d['seconds']}: must be > 0")
+    return FaultEvent(kind=kind, **d)
+
+
+def fault_to_dict(e: FaultEvent) -> dict[str, Any]:
+    """The plain data ``fault_event`` turns back into ``e`` (only the keys its kind takes)."""
+    return {"kind": e.kind, **{k: getattr(e, k) for k in _ALLOWED[e.kind] if getattr(e, k) is not None}}
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """The run config's ``faults`` section."""
+
+    events: tuple[FaultEvent, ...] = ()
+
+    def __post_init__(self) -> None:
+        events = tuple(e if isinstance(e, FaultEvent) else fault_event(e, i) for i, e in enumerate(self.events or ()))
+        object.__setattr__(self, "events", events)
+
+    def check_against(self, sites: int, rounds: int) -> None:
+        for i, e in enumerate(self.events):
+            if e.site is not None and e.site >= sites:
+                raise ValueError(f"faults.events[{i}].site={e.site}: this run has sites 0..{sites - 1}")
+            if e.at_round is not None and e.at_round >= rounds:
+                raise ValueError(f"faults.events[{i}].at_round={e.at_round}: this run has rounds 0..{rounds - 1}")
+
+
+# ---- firing ------------------------------------------------------------------------------
+FIRED_FILE = "faults.jsonl"
+
+
+def read_fired(run_dir: Path) -> list[dict[str, Any]]:
+    """The events that fired so far (a line each; a torn last line of a killed writer is skipped)."""
+    path = run_dir / FIRED_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class FaultPlan:
+    """The events one process must inject, minus those that fired already."""
+
+    def __init__(self, events: Iterable[FaultEvent], run_dir: Path, process: str, skip: Iterable[int] = ()) -> None:
+        skipped = set(skip)
+        self.events = {i: e for i, e in enumerate(events) if i not in skipped}
+        self.run_dir = run_dir
+        self.process = process
+        self._lock = threading.Lock()
+
+    def record(self, index: int, **details: Any) -> None:
+        line = {"event": index, "kind": self.events[index].kind, "process": self.process, "time": time.time(), **details}
+        with self._lock, open(self.run_dir / FIRED_FILE, "a") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def kill(self, index: int, **details: Any) -> None:
+        """Records the event, then SIGKILLs this process (nothing after this runs)."""
+        self.record(index, restart_after_s=self.events[index].restart_after_s, **details)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # not reached: SIGKILL cannot be caught
+
+
+def coordinator_hooks(plan: FaultPlan) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """(on_commit(round), on_push(round)) that kill the coordinator where its events say."""
+
+    def fire(phase: str, r: int) -> None:
+        for i, e in plan.events.items():
+            if e.kind == "kill_coordinator" and e.phase == phase and e.at_round == r:
+                plan.kill(i, round=r, phase=phase)
+
+    return (lambda r: fire("between", r)), (lambda r: fire("mid", r))
+
+
+@dataclass
+class SiteFaults:
+    """The faults of one site process: hooks its training loop calls, and a client wrapper."""
+
+    plan: FaultPlan
+    site: int
+    seed: int = 0
+    incarnation: int = 0
+    _partition_until: float = 0.0
+    _rng: random.Random = field(init=False)
+    dropped_pushes: int = 0
+
+    def __post_init__(self) -> None:
+        self.plan.events = {i: e for i, e in self.plan.events.items() if e.site in (None, self.site) and e.kind != "kill_coordinator"}
+        self._rng = random.Random(f"{self.seed}/{self.site}/{self.incarnation}")
+
+    def _events(self, kind: str, **match: Any) -> list[tuple[int, FaultEvent]]:
+        return [(i, e) for i, e in self.plan.events.items() if e.kind == kind and all(getattr(e, k) == v for k, v in match.items())]
+
+    def after_step(self, round: int, step: int, steps: int, step_s: float) -> None:
+        """Called after inner step ``step`` (0-based) of ``steps`` in ``round``."""
+        for _, e in self._events("slow_site"):
+            if round >= (e.at_round or 0):
+                time.sleep((e.factor - 1) * step_s)
+        if step == steps // 2:
+            for i, _ in self._events("kill_site", at_round=round, phase="inner"):
+                self.plan.kill(i, round=round, phase="inner", site=self.site)
+
+    def before_push(self, round: int) -> None:
+        for i, e in self._events("partition_site", at_round=round):
+            self._partition_until = time.monotonic() + e.seconds
+            self.plan.record(i, round=round, site=self.site, seconds=e.seconds)
+            del self.plan.events[i]
+
+    def wrap(self, client: Any) -> Any:
+        return _FaultyClient(client, self)
+
+
+class _FaultyClient:
+    """The site's CoordinatorClient with the faults in the way of its calls."""
+
+    def __init__(self, client: Any, faults: SiteFaults) -> None:
+        self._client = client
+        self._f = faults
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name in ("join", "wait_round", "pull_global", "heartbeat", "leave"):
+            return self._guarded(attr)
+        return attr
+
+    def _guarded(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self._check_partition()
+            return call(*args, **kwargs)
+
+        return guarded
+
+    def _check_partition(self) -> None:
+        from diloco.transport import RemoteError  # only here: the plan itself stays transport-free
+
+        left = self._f._partition_until - time.monotonic()
+        if left > 0:
+            time.sleep(min(left, 0.5))  # a cut network fails after a while, not at once
+            raise RemoteError("UNAVAILABLE", f"injected: site {self._f.site} is cut off from the coordinator ({left:.1f}s left)")
+
+    def push(self, header: Any, chunks: Iterable[Any]) -> Any:
+        from diloco.transport import RemoteError
+
+        self._check_partition()
+        f = self._f
+        for i, e in f._events("drop_push"):
+            if f._rng.random() < e.prob:
+                f.dropped_pushes += 1
+                f.plan.record(i, round=header.round, site=f.site)
+                raise RemoteError("UNAVAILABLE", f"injected: push of round {header.round} was lost on the way")
+        kills = f._events("kill_site", at_round=header.round, phase="push")
+        if kills:
+            chunks = self._kill_after_first(chunks, kills[0][0], header.round)
+        return self._client.push(header, chunks)
+
+    def _kill_after_first(self, chunks: Iterable[Any], index: int, round: int) -> Iterator[Any]:
+        it = iter(chunks)
+        first = next(it, None)
+        if first is not None:
+            yield first
+        time.sleep(0.2)  # let gRPC put the header and the first chunk on the wire
+        self._f.plan.kill(index, round=round, phase="push", site=self._f.site)
+        yield from it
+
+    def pull_update(self, site_id: str, round: int) -> Any:
+        self._check_partition()
+        chunks = self._client.pull_update(site_id, round)
+        for i, _ in self._f._events("kill_site", at_round=round, phase="pull"):
+            self._f.plan.kill(i, round=round, phase="pull", site=self._f.site)
+        return chunks

@@ -1,0 +1,141 @@
+"""Pushes repeated across a coordinator restart, late pushes, the loss-spike guard, and the
+metrics file a restarted coordinator repairs. In-process (no gRPC): the fault matrix
+(test_fault_matrix.py) runs the same paths through real processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco import checkpoint as ck
+from diloco.codec import ChunkAssembler, encode_chunks, get_codec
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.errors import CoordinatorError
+from diloco.coordinator.fingerprint import fingerprint
+from diloco.coordinator.guard import GuardConfig, SpikeGuard
+from diloco.coordinator.metrics import MetricsReporter
+from diloco.outer import OuterConfig, apply_update, params_sha256
+from diloco.types import PushHeader
+
+pytestmark = pytest.mark.timeout(60)
+
+THETA = {"w": torch.linspace(-1, 1, 24).reshape(4, 6), "b": torch.zeros(6)}
+SITES = ("a", "b")
+
+
+def _coordinator(tmp_path: Path, **kwargs) -> Coordinator:
+    cfg = CoordinatorConfig(**{"total_rounds": 6, "min_sites": 2, "checkpoint_dir": str(tmp_path / "ck"), **kwargs})
+    coord = Coordinator(THETA, OuterConfig(), cfg)
+    for s in SITES:
+        coord.join(s, fingerprint(THETA).values())
+    return coord
+
+
+def _restarted(tmp_path: Path, **kwargs) -> Coordinator:
+    """A new process on the same checkpoint directory."""
+    loaded = ck.load_latest(tmp_path / "ck")
+    assert loaded is not None
+    coord = Coordinator(THETA, OuterConfig(), CoordinatorConfig(total_rounds=6, min_sites=2, checkpoint_dir=str(tmp_path / "ck"), **kwargs))
+    coord.restore(loaded.state)
+    return coord
+
+
+def _push(coord: Coordinator, site: str, r: int, scale: float = 0.01):
+    g = torch.Generator().manual_seed(100 * r + ord(site))
+    delta = {n: torch.randn(t.shape, generator=g) * scale for n, t in THETA.items()}
+    return coord.push(PushHeader(site_id=site, round=r, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32"), round=r))
+
+
+def test_pushes_repeated_after_a_restart_are_taken_once(tmp_path: Path) -> None:
+    reference = _coordinator(tmp_path / "ref")
+    crashed = _coordinator(tmp_path)
+    for coord in (reference, crashed):
+        _push(coord, "a", 0)
+        _push(coord, "b", 0)
+        _push(coord, "a", 1)  # round 1 is open: this push lives only in memory
+    assert crashed.committed_rounds == 1
+    restarted = _restarted(tmp_path)
+    assert restarted.committed_rounds == 1 and restarted.global_sha256() == reference.global_sha256()
+    # Site b repeats its counted push of round 0: "duplicate", nothing changes.
+    again = _push(restarted, "b", 0)
+    assert again.duplicate and not again.accepted and restarted.committed_rounds == 1
+    # Site a's push of round 1 was lost with the crash: its repeat is taken (not a duplicate).
+    assert _push(restarted, "a", 1).accepted
+    assert _push(restarted, "a", 1).duplicate
+    _push(restarted, "b", 1)
+    _push(reference, "b", 1)
+    assert restarted.committed_rounds == 2 and restarted.global_sha256() == reference.global_sha256()
+    # The update of round 0 is gone with the old process: a site asking for it is told to pull θ.
+    with pytest.raises(CoordinatorError, match="no longer kept") as info:
+        restarted.pull_update("a", 0)
+    assert info.value.code == "not_found"
+
+
+def test_a_late_push_is_refused_recorded_and_changes_nothing(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, min_sites=1)
+    coord.leave("b", "")  # only a is active: round 0 closes on its push
+    _push(coord, "a", 0)
+    coord.join("b", fingerprint(THETA).values())
+    before = coord.global_sha256()
+    with pytest.raises(CoordinatorError, match="committed without site 'b'") as info:
+        _push(coord, "b", 0)
+    assert info.value.code == "aborted" and coord.global_sha256() == before
+    assert coord.late_pushes(1) == [{"site": "b", "round": 0}]  # recorded in the round open when it came
+
+
+def test_spike_guard_judges_against_the_median_of_accepted_rounds() -> None:
+    guard = SpikeGuard(GuardConfig(factor=3.0, window=3, min_rounds=2))
+    assert guard.judge(1.0).accepted and guard.judge(100.0).accepted  # too few rounds to judge yet
+    v = guard.judge(200.0)  # median(1, 100) = 50.5: limit 151.5
+    assert not v.accepted and v.limit == pytest.approx(151.5) and "limit 151.5" in v.describe()
+    assert guard.history == [1.0, 100.0]  # a rejected norm does not enter the history
+    assert not guard.judge(float("nan")).accepted
+    with pytest.raises(ValueError, match="guard.factor"):
+        GuardConfig(factor=0.5)
+    with pytest.raises(ValueError, match="guard.min_rounds"):
+        GuardConfig(window=2, min_rounds=3)
+
+
+def test_a_rejected_round_leaves_theta_and_sites_stay_identical(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, guard=GuardConfig(factor=3.0, window=3, min_rounds=2))
+    records = []
+    coord.on_commit.append(records.append)
+    site = {n: t.clone() for n, t in THETA.items()}
+
+    def round_(r: int, scale: float) -> None:
+        _push(coord, "a", r, scale)
+        _push(coord, "b", r, scale)
+        asm = ChunkAssembler(fingerprint(site))
+        for c in coord.pull_update("a", r):
+            asm.add(c)
+        apply_update(site, asm.finish())
+        assert params_sha256(site) == coord.global_sha256()
+
+    for r in range(3):
+        round_(r, 0.01)
+    before = coord.global_sha256()
+    round_(3, 10.0)  # a spike: ~1000 x the usual norm
+    assert records[3].rejected and "limit" in records[3].guard and records[3].update_norm == 0.0
+    assert coord.global_sha256() == before and coord.committed_rounds == 4
+    round_(4, 0.01)  # training goes on
+    assert not records[4].rejected and coord.global_sha256() != before
+
+
+def test_a_restarted_coordinator_repairs_metrics_jsonl(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path)
+    for r in range(3):
+        _push(coord, "a", r)
+        _push(coord, "b", r)
+    # The killed predecessor had written round 0's line and half of round 1's.
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"round": 0, "participants": ["a", "b"]}) + "\n" + '{"round": 1, "partic')
+    restarted = _restarted(tmp_path)
+    reporter = MetricsReporter(metrics, restarted, evaluate=lambda params: 0.0, log=lambda msg: None)
+    reporter.close()
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["round"] for m in lines] == [0, 1, 2]
+    assert all(m["recovered"] and m["participants"] == ["a", "b"] and m["bytes_down"] is None for m in lines[1:])
+    assert lines[2]["global_sha256"] == restarted.global_sha256()
