@@ -108,5 +108,12 @@ def _metrics_line(
         "train_loss": loss,
         "eval_bpb": eval_bpb,
         "update_norm": None,  # no outer update in the baselines
+        "delta_norm": None,
         "global_sha256": params_sha256(dict(model.named_parameters())),
+        # Nothing is ever absent, late or rejected in a synchronous run.
+        "absent": [],
+        "evicted": [],
+        "late": [],
+        "rejected": False,
+        "guard": None,
     }
