@@ -189,6 +189,7 @@ class SiteFaults:
     _partition_until: float = 0.0
     _rng: random.Random = field(init=False)
     dropped_pushes: int = 0
+    _slowed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.plan.events = {i: e for i, e in self.plan.events.items() if e.site in (None, self.site) and e.kind != "kill_coordinator"}
@@ -199,8 +200,11 @@ class SiteFaults:
 
     def after_step(self, round: int, step: int, steps: int, step_s: float) -> None:
         """Called after inner step ``step`` (0-based) of ``steps`` in ``round``."""
-        for _, e in self._events("slow_site"):
+        for i, e in self._events("slow_site"):
             if round >= (e.at_round or 0):
+                if i not in self._slowed:  # recorded once, when it starts
+                    self._slowed.add(i)
+                    self.plan.record(i, round=round, site=self.site, factor=e.factor)
                 time.sleep((e.factor - 1) * step_s)
         if step == steps // 2:
             for i, _ in self._events("kill_site", at_round=round, phase="inner"):

@@ -176,7 +176,7 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
 
 
 def _describe_fired(e: dict[str, Any]) -> str:
-    details = ", ".join(f"{k}={e[k]}" for k in ("round", "phase", "seconds", "restart_after_s") if k in e)
+    details = ", ".join(f"{k}={e[k]}" for k in ("round", "phase", "seconds", "factor", "restart_after_s") if k in e)
     return f"{e['kind']} ({e['process']}; {details})"
 
 
