@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sim_e2e import Run, run_ok
+from test_sim_e2e import Run, run_ok, run_sim
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -148,3 +148,39 @@ def test_a_straggler_is_left_out_by_the_deadline_and_stays_identical(straggler: 
     assert straggler.workers()["2"]["dropped_rounds"] == [p["round"] for p in late]
     for p in late:
         assert "2" not in metrics[p["round"]]["participants"]
+
+
+def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import time
+
+    from test_sim_e2e import _kill_group, _sim_executable
+
+    run_dir = tmp_path / "run"
+    args = [*BASE, "rounds=6", f"hydra.run.dir={run_dir}"]
+    popen = subprocess.Popen([_sim_executable(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        metrics = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.2)
+        popen.send_signal(signal.SIGTERM)  # the simulator stops every process it started
+        assert popen.wait(timeout=60) != 0
+    finally:
+        _kill_group(popen)
+    stopped_at = len(metrics.read_text().splitlines())
+    assert 2 <= stopped_at < 6
+    # Another config is refused before anything starts; so is a directory with nothing to resume.
+    other = run_sim(run_dir, *[a for a in args if not a.startswith("hydra")], "rounds=7", "sim.resume=true")
+    assert other.returncode != 0 and "differs in: rounds" in other.stderr
+    empty = run_sim(tmp_path / "empty", *BASE, "rounds=6", "sim.resume=true")
+    assert empty.returncode != 0 and "nothing to resume" in empty.stderr
+    resumed = run_ok(run_dir, *[a for a in args if not a.startswith("hydra")], "sim.resume=true", timeout=240)
+    metrics_after = _invariants(resumed, 6)
+    assert all(m["participants"] == ALL for m in metrics_after)
+    coordinator_log = _log(resumed, "coordinator.1.log")
+    assert "resumed from" in coordinator_log and "(global sha256" in coordinator_log  # restore checks θ against it
+    for s in ALL:
+        log = _log(resumed, f"site{s}.1.log")
+        assert f"restored its round-" in log, log  # its inner optimizer state came back

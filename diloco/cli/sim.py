@@ -22,7 +22,8 @@ def _main(cfg: DictConfig) -> None:
     out = run_dir()
     print(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync_every} rounds={rc.rounds} -> {out}", flush=True)
     try:
-        summary = run_simulation(rc, out, timeout_s=float(section(cfg, "sim")["timeout_s"]))
+        sim = section(cfg, "sim")
+        summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]))
     except DataError as e:
         fail(f"bad data: {e}")
     except SimError as e:

@@ -17,7 +17,9 @@ def _main(cfg: DictConfig) -> None:
     try:
         rc = run_config(cfg, ("site",))
         s = section(cfg, "site")
-        opts = SiteOptions(site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]))
+        opts = SiteOptions(
+            site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]), checkpoint_dir=s["checkpoint_dir"]
+        )
         opts.data_shard(rc.sites)
         run_site(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
     except DataError as e:

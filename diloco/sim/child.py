@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--init-file", type=Path)
     p.add_argument("--port", type=int, default=0, help="coordinator: the port to listen on (0: any)")
-    p.add_argument("--checkpoint-dir", help="coordinator: checkpoint every round there, resume from it")
+    p.add_argument("--checkpoint-dir", help="checkpoint every round there, resume from it")
     p.add_argument("--incarnation", type=int, default=0, help="how many times this process was started again")
     p.add_argument("--skip-faults", default="", help="indices of fault events that fired already")
     args = p.parse_args(argv)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         from diloco.site.run import SiteOptions, run_site
 
         faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan else None
-        opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, faults=faults, incarnation=args.incarnation)
+        opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, faults=faults, incarnation=args.incarnation, checkpoint_dir=args.checkpoint_dir)
         run_site(cfg, opts, args.run_dir, log=log)
     else:
         from diloco.baseline.data_parallel import run_data_parallel

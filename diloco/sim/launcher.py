@@ -43,9 +43,15 @@ class _Proc:
     gone: bool = False  # killed for good (restart_after_s < 0)
 
 
-def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, progress: Callable[[str], None] | None = print) -> dict[str, Any]:
+def run_simulation(
+    cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, progress: Callable[[str], None] | None = print, resume: bool = False
+) -> dict[str, Any]:
     """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
 
+    ``resume``: go on with the (stopped or crashed) run in ``run_dir``: its config must be
+    ``cfg``; the coordinator resumes from its checkpoint, every site from its own, and the
+    metrics, progress and fault records are kept. Otherwise whatever a previous run left in
+    ``run_dir`` is removed first.
     Raises SimError if any process exits non-zero (naming it and its log) or on timeout; every
     process started is stopped before this returns or raises.
     """
@@ -54,11 +60,16 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
     # Fail on bad data here, before any process starts (DataError names the path).
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "global.json", "summary.json", "coordinator.port.json", FIRED_FILE):
-        (run_dir / stale).unlink(missing_ok=True)
-    for stale_dir in ("checkpoints", "progress", "workers"):
-        shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     config_path = run_dir / "config.json"
+    for stale in ("global.json", "summary.json", "coordinator.port.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    if resume:
+        _check_resumable(cfg, run_dir)
+    else:
+        for stale in ("metrics.jsonl", FIRED_FILE):
+            (run_dir / stale).unlink(missing_ok=True)
+        for stale_dir in ("checkpoints", "progress", "workers", "logs"):
+            shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     write_json_atomic(config_path, run_config_to_dict(cfg))
     procs: list[_Proc] = []
     start = time.monotonic()
@@ -70,14 +81,15 @@ def run_simulation(cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, 
         if cfg.mode == "diloco":
             port_file = run_dir / "coordinator.port.json"
             # Checkpoints every round: a coordinator killed by a fault resumes from them.
-            coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints")]
-            procs.append(_start("coordinator", coordinator, run_dir))
+            coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator")]
+            procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
             port = _wait_port(port_file, procs[0], deadline=start + 120)
             procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
             address = f"127.0.0.1:{port}"
             say(f"coordinator on {address}; starting {cfg.sites} site(s)")
             for s in range(cfg.sites):
-                procs.append(_start(f"site {s}", base + ["site", *common, "--site-id", str(s), "--coordinator", address], run_dir))
+                site = base + ["site", *common, "--site-id", str(s), "--coordinator", address, "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
+                procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir)))
         else:
             init_file = run_dir / "pg_init"
             init_file.unlink(missing_ok=True)
@@ -103,6 +115,31 @@ def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_
     extra = ["--incarnation", str(incarnation), "--skip-faults", ",".join(map(str, skip_faults or []))]
     popen = subprocess.Popen(cmd + extra, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
     return _Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation)
+
+
+def _check_resumable(cfg: RunConfig, run_dir: Path) -> None:
+    if cfg.mode != "diloco":
+        raise SimError(f"only mode=diloco runs can be resumed (mode={cfg.mode} keeps no checkpoints)")
+    config_path = run_dir / "config.json"
+    if not config_path.exists() or not (run_dir / "checkpoints").is_dir():
+        raise SimError(f"nothing to resume in {run_dir}: no config.json or checkpoints/ (start it without resume)")
+    saved = json.loads(config_path.read_text())
+    if saved != run_config_to_dict(cfg):
+        diff = sorted(k for k in set(saved) | set(run_config_to_dict(cfg)) if saved.get(k) != run_config_to_dict(cfg).get(k))
+        raise SimError(f"cannot resume {run_dir} with another config (differs in: {', '.join(diff)})")
+
+
+def _next_incarnation(run_dir: Path, name: str) -> int:
+    """0 for a fresh run; after a resume, one more than the process's last log."""
+    base = name.replace(" ", "")
+    logs = [p.stem for p in (run_dir / "logs").glob("*.log") if p.stem == base or p.stem.startswith(base + ".")]
+    if not logs:
+        return 0
+    return 1 + max(int(stem.split(".")[1]) if "." in stem else 0 for stem in logs)
+
+
+def _fired_events(run_dir: Path) -> list[int]:
+    return sorted({e["event"] for e in read_fired(run_dir)})
 
 
 def _die_with_parent() -> None:
@@ -161,7 +198,7 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
         for i, p in enumerate(procs):
             if p.restart_at is not None and time.monotonic() >= p.restart_at:
                 p.log_file.close()
-                procs[i] = _start(p.name, p.cmd, run_dir, p.incarnation + 1, sorted({e["event"] for e in read_fired(run_dir)}))
+                procs[i] = _start(p.name, p.cmd, run_dir, p.incarnation + 1, _fired_events(run_dir))
                 say(f"started {p.name} again (incarnation {p.incarnation + 1})")
         lines = read_jsonl(metrics) if metrics.exists() else []
         for line in lines[shown:]:

@@ -99,6 +99,14 @@ class OuterSync:
         self._heartbeat: Heartbeat | None = None
 
     @property
+    def residual(self) -> dict[str, torch.Tensor] | None:
+        """The uplink error-feedback residual (what the codec has not delivered yet)."""
+        return self._residual
+
+    def set_residual(self, residual: dict[str, torch.Tensor] | None) -> None:
+        self._residual = residual
+
+    @property
     def finished(self) -> bool:
         return self.round >= self.total_rounds
 

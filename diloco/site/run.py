@@ -15,6 +15,7 @@ from diloco.data import ShardSampler, load_corpus
 from diloco.faults import SiteFaults
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
+from diloco.site.checkpoint import SiteCheckpointer
 from diloco.site.inner import InnerTrainer
 from diloco.site.outer_sync import OuterSync
 from diloco.transport import CoordinatorClient
@@ -28,6 +29,7 @@ class SiteOptions:
     connect_timeout_s: float = 120.0
     faults: SiteFaults | None = None  # injected faults (simulation only)
     incarnation: int = 0  # how many times this site was started again (its progress file's name)
+    checkpoint_dir: str | None = None  # the site's own checkpoint after every round; restored on start
 
     def data_shard(self, num_shards: int) -> int:
         shard = self.shard if self.shard is not None else int(self.site_id) if self.site_id.isdigit() else None
@@ -62,8 +64,16 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         # A site that joins late (or again, after a crash) starts its lr schedule and its
         # data where the run is; its inner optimizer state starts fresh.
         trainer.steps_done = sync.round * cfg.sync_every
-        sampler.skip(sync.round * cfg.sync_every)
         log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation})")
+        checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, trainer, sampler, log) if opts.checkpoint_dir else None
+        restored = checkpointer.restore(round=sync.round, global_sha256=sync.global_sha256(), set_residual=sync.set_residual) if checkpointer else None
+        if restored is None:
+            log(f"site {opts.site_id}: no checkpoint of this run; the inner optimizer state starts fresh")
+        else:
+            what = "optimizer, sampler and residual" if restored.exact else "optimizer state only (rounds were committed since)"
+            log(f"site {opts.site_id}: restored its round-{restored.round} checkpoint: {what}; θ hash matches: {restored.hash_matches}")
+        if restored is None or not restored.exact:
+            sampler.skip(sync.round * cfg.sync_every)
         try:
             while not sync.finished:
                 losses = []
@@ -79,6 +89,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 tokens += round_tokens
                 # After a dropped round the site continues at the open round's place in the schedule.
                 trainer.steps_done = sync.round * cfg.sync_every
+                if checkpointer and not sync.finished:
+                    checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=tokens)
                 log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
             sync.leave()
         finally:
