@@ -49,6 +49,7 @@ class RunConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
     codec_down: CodecConfig | None = None  # downlink (update) encoding; None: the same as codec
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
+    inner_budget_s: float | None = None  # dynamic local steps: a site stops its inner phase after this many seconds (>= 1 step, <= H)
     error_feedback_decay: float = 1.0  # β: a site adds β × its last residual to the next Δ (SparseLoCo: 0.95)
     chunk_bytes: int = MAX_CHUNK_BYTES
     eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
@@ -67,6 +68,8 @@ class RunConfig:
             self.faults.check_against(self.sites, self.rounds)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.inner_budget_s is not None and not (isinstance(self.inner_budget_s, (int, float)) and self.inner_budget_s > 0):
+            raise ConfigError(f"inner_budget_s={self.inner_budget_s!r}: must be null or a number of seconds > 0")
         if not (isinstance(self.error_feedback_decay, (int, float)) and 0.0 <= self.error_feedback_decay <= 1.0):
             raise ConfigError(f"error_feedback_decay={self.error_feedback_decay!r}: must be a number in [0, 1]")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:

@@ -46,6 +46,7 @@ class PushResult:
     duplicate: bool
     round: int
     payload_bytes: int
+    merged_into: int = 0  # > 0: a late push merged into that open round (quorum.late=merge)
 
 
 @dataclass(frozen=True)

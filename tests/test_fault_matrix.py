@@ -184,3 +184,36 @@ def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
     for s in ALL:
         log = _log(resumed, f"site{s}.1.log")
         assert f"restored its round-" in log, log  # its inner optimizer state came back
+
+
+@pytest.fixture(scope="module")
+def straggler_merge(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    overrides = [
+        "rounds=8", "quorum.min_sites=2", "quorum.deadline=median", "quorum.late=merge", "quorum.max_staleness=8",
+        _events("{kind:slow_site,site:2,factor:10,at_round:1}"),
+    ]  # fmt: skip
+    return run_ok(tmp_path_factory.mktemp("merge") / "run", *BASE, *overrides, timeout=280)
+
+
+def test_a_late_push_is_merged_into_the_open_round(straggler_merge: Run) -> None:
+    metrics = _invariants(straggler_merge, 8)
+    merged = [(m["round"], p) for m in metrics for p in m["merged"]]
+    assert merged and all(p["site"] == "2" and p["round"] < r and p["weight"] == 0.5 ** (r - p["round"]) for r, p in merged), merged
+    worker = straggler_merge.workers()["2"]
+    # Every late push was merged, except one that came after the last round (nothing to merge into).
+    assert worker["merged_rounds"] == [p["round"] for _, p in merged] and len(worker["dropped_rounds"]) <= 1
+
+
+def test_dynamic_local_steps_cut_a_slow_sites_inner_phase(tmp_path: Path) -> None:
+    # H = 8; each site stops its inner phase after 1.5 s. The slow site (a step takes 20x as
+    # long) runs fewer steps and is weighted by its tokens; no round waits long for it.
+    overrides = ["sync_every=8", "rounds=3", "inner_budget_s=1.5", _events("{kind:slow_site,site:2,factor:20}")]
+    run = run_ok(tmp_path / "run", *[a for a in BASE if not a.startswith("sync_every")], *overrides, timeout=240)
+    metrics = _invariants(run, 3)
+    workers = run.workers()
+    slow = workers["2"]["steps_per_round"]
+    assert all(1 <= n < 8 for n in slow.values()), slow
+    for m in metrics:
+        steps = sum(workers[s]["steps_per_round"][str(m["round"])] for s in ALL)
+        assert m["inner_steps"] == steps and m["tokens"] == steps * 4 * 128  # weights follow the tokens
+        assert m["participants"] == ALL

@@ -26,9 +26,9 @@ THETA = {"w": torch.linspace(-1, 1, 24).reshape(4, 6), "b": torch.zeros(6)}
 SITES = ("a", "b")
 
 
-def _coordinator(tmp_path: Path, **kwargs) -> Coordinator:
+def _coordinator(tmp_path: Path, outer: OuterConfig | None = None, **kwargs) -> Coordinator:
     cfg = CoordinatorConfig(**{"total_rounds": 6, "min_sites": 2, "checkpoint_dir": str(tmp_path / "ck"), **kwargs})
-    coord = Coordinator(THETA, OuterConfig(), cfg)
+    coord = Coordinator(THETA, outer or OuterConfig(), cfg)
     for s in SITES:
         coord.join(s, fingerprint(THETA).values())
     return coord
@@ -139,3 +139,39 @@ def test_a_restarted_coordinator_repairs_metrics_jsonl(tmp_path: Path) -> None:
     assert [m["round"] for m in lines] == [0, 1, 2]
     assert all(m["recovered"] and m["participants"] == ["a", "b"] and m["bytes_down"] is None for m in lines[1:])
     assert lines[2]["global_sha256"] == restarted.global_sha256()
+
+
+def test_a_late_push_is_merged_into_the_open_round_with_a_discount(tmp_path: Path) -> None:
+    # Outer SGD with lr 1 and no momentum: θ moves by exactly minus the weighted mean Δ.
+    sgd = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
+    coord = _coordinator(tmp_path, outer=sgd, min_sites=1, late="merge", late_discount=0.5, max_staleness=2)
+    records = []
+    coord.on_commit.append(records.append)
+    coord.leave("b", "")
+    _push(coord, "a", 0)  # round 0 closes with a alone
+    coord.join("b", fingerprint(THETA).values())
+    theta1 = coord.global_params()
+    merged = _push(coord, "b", 0)  # one round late: merged into round 1 with weight 10 x 0.5
+    assert merged.accepted and merged.merged_into == 1
+    assert _push(coord, "b", 0).duplicate  # a repeat of a merged push changes nothing
+    _push(coord, "a", 1)
+    _push(coord, "b", 1)
+    delta = {}
+    for site, r in (("a", 1), ("b", 1), ("b", 0)):
+        g = torch.Generator().manual_seed(100 * r + ord(site))
+        delta[site, r] = {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in THETA.items()}
+    expected = {n: theta1[n] - (10 * delta["a", 1][n] + 10 * delta["b", 1][n] + 5 * delta["b", 0][n]) / 25 for n in THETA}
+    got = coord.global_params()
+    assert all(torch.allclose(got[n], expected[n], atol=1e-7, rtol=0) for n in THETA)
+    assert records[1].merged == [{"site": "b", "round": 0, "weight": 0.5, "tokens": 10}]
+    assert records[1].participants == ["a", "b"]
+
+
+def test_a_push_later_than_max_staleness_is_dropped_even_with_merge(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, min_sites=1, late="merge", max_staleness=1)
+    coord.leave("b", "")
+    _push(coord, "a", 0)
+    _push(coord, "a", 1)
+    coord.join("b", fingerprint(THETA).values())
+    with pytest.raises(CoordinatorError, match="committed without site 'b'"):
+        _push(coord, "b", 0)  # two rounds late

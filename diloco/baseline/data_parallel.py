@@ -114,6 +114,7 @@ def _metrics_line(
         "absent": [],
         "evicted": [],
         "late": [],
+        "merged": [],
         "rejected": False,
         "guard": None,
     }

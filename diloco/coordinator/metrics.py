@@ -73,6 +73,7 @@ class MetricsReporter:
             "absent": rec["absent"],
             "evicted": rec["evicted"],
             "late": self._c.late_pushes(rec["round"]),
+            "merged": rec.get("merged", []),
             "rejected": rec["rejected"],
             "guard": rec["guard"],
             "tokens": rec["tokens"],

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 DEADLINES = ("none", "fixed", "median")
+LATE_POLICIES = ("drop", "merge")
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,17 @@ class QuorumConfig:
     deadline: str = "none"
     deadline_s: float = 60.0
     deadline_factor: float = 1.5
+    late: str = "drop"  # a push for a round that closed without it: drop (refused) | merge (into the open round)
+    late_discount: float = 0.5  # merge: its weight is tokens x late_discount ** staleness (rounds late)
+    max_staleness: int = 2  # merge: a push more rounds late than this is dropped all the same
 
     def __post_init__(self) -> None:
+        if self.late not in LATE_POLICIES:
+            raise ValueError(f"quorum.late={self.late!r}: must be one of {', '.join(LATE_POLICIES)}")
+        if not 0 < self.late_discount <= 1:
+            raise ValueError(f"quorum.late_discount={self.late_discount}: must be in (0, 1]")
+        if not (isinstance(self.max_staleness, int) and self.max_staleness >= 1):
+            raise ValueError(f"quorum.max_staleness={self.max_staleness!r}: must be an integer >= 1")
         if not self.lease_s > 0:
             raise ValueError(f"quorum.lease_s={self.lease_s}: must be > 0")
         if self.min_sites is not None and not (isinstance(self.min_sites, int) and self.min_sites >= 1):

@@ -65,6 +65,9 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
             snapshot_every=cfg.eval_every,
             checkpoint_dir=opts.checkpoint_dir,
             guard=cfg.guard,
+            late=cfg.quorum.late,
+            late_discount=cfg.quorum.late_discount,
+            max_staleness=cfg.quorum.max_staleness,
         ),
     )
     if opts.checkpoint_dir:

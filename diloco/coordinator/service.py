@@ -48,6 +48,9 @@ class CoordinatorConfig:
     snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
     checkpoint_dir: str | None = None  # write an atomic checkpoint here after every commit, before publishing it
     guard: GuardConfig = field(default_factory=GuardConfig)  # the loss-spike guard (off by default)
+    late: str = "drop"  # late pushes: drop (refused, ABORTED) | merge (into the open round, discounted)
+    late_discount: float = 0.5  # merge weight: tokens x late_discount ** staleness
+    max_staleness: int = 2  # merge only pushes at most this many rounds late
 
     def __post_init__(self) -> None:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
@@ -80,6 +83,7 @@ class RoundRecord:
     rejected: bool = False  # the guard rejected the round: θ did not move
     guard: str | None = None  # the guard's figures when it rejected the round
     absent: list[str] = field(default_factory=list)  # active sites that did not push this round
+    merged: list[dict[str, Any]] = field(default_factory=list)  # late pushes merged in: site, round, weight factor, tokens
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
 
     def summary(self) -> dict[str, Any]:
@@ -125,6 +129,8 @@ class Coordinator:
         self._late: dict[int, list[dict[str, Any]]] = {}
         self._evicted: list[str] = []  # evicted while the open round was open
         self._records: dict[int, dict[str, Any]] = {}  # the last few rounds' RoundRecord.summary()
+        self._merged: list[dict[str, Any]] = []  # late pushes merged into the open round
+        self._merged_done: set[tuple[str, int]] = set()  # (site, round) of every merged push (repeats are duplicates)
         self.on_commit: list[Callable[[RoundRecord], None]] = []
         self.on_push: list[Callable[[int], None]] = []  # called with the round after each accepted push
 
@@ -239,8 +245,8 @@ class Coordinator:
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """Accepts one site's whole pseudo-gradient for one round, or nothing of it."""
         with self._cv:
-            duplicate = self._check_push(header)
-        if duplicate:
+            verdict = self._check_push(header)
+        if verdict == "duplicate":
             return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
         staging = self._staging.get()
         try:
@@ -255,11 +261,20 @@ class Coordinator:
                 raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} for round {header.round} rejected: {e}") from None
             with self._cv:
                 # The round may have moved on while we decoded; check again before touching it.
-                if self._check_push(header):
+                verdict = self._check_push(header)
+                if verdict == "duplicate":
                     return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
-                self._acc.add(delta, float(header.tokens))
-                self._pushes[header.site_id] = header
-                self._pushed_at[header.site_id] = self._clock()
+                merged_into = 0
+                if verdict == "merge":
+                    factor = self.cfg.late_discount ** (self._open - header.round)
+                    self._acc.add(delta, float(header.tokens) * factor)
+                    self._merged.append({"site": header.site_id, "round": header.round, "weight": factor, "tokens": header.tokens})
+                    self._merged_done.add((header.site_id, header.round))
+                    merged_into = self._open
+                else:
+                    self._acc.add(delta, float(header.tokens))
+                    self._pushes[header.site_id] = header
+                    self._pushed_at[header.site_id] = self._clock()
                 self._push_bytes += assembler.payload_bytes
                 record = self._maybe_commit()
         finally:
@@ -269,18 +284,22 @@ class Coordinator:
         if record is not None:
             for listener in self.on_commit:
                 listener(record)
-        return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=assembler.payload_bytes)
+        return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=assembler.payload_bytes, merged_into=merged_into)
 
-    def _check_push(self, header: PushHeader) -> bool:
-        """Raises if the push cannot be taken; returns True for a harmless duplicate."""
+    def _check_push(self, header: PushHeader) -> str:
+        """"take" (a push for the open round), "merge" (a late push the policy folds into the
+        open round) or "duplicate" (a harmless repeat); raises if the push cannot be taken."""
         self._require_member(header.site_id)
         if header.tokens <= 0:
             raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} declares tokens={header.tokens}; must be > 0")
         if header.round >= self.cfg.total_rounds:
             raise CoordinatorError("out_of_range", f"round {header.round} is past the last round ({self.cfg.total_rounds - 1}) of this run")
         if header.round < self._open:
-            if header.site_id in self._participants.get(header.round, ()):
-                return True
+            if header.site_id in self._participants.get(header.round, ()) or (header.site_id, header.round) in self._merged_done:
+                return "duplicate"
+            mergeable = self._open < self.cfg.total_rounds and self._open - header.round <= self.cfg.max_staleness
+            if self.cfg.late == "merge" and mergeable:
+                return "merge"
             late = self._late.setdefault(self._open, [])
             if {"site": header.site_id, "round": header.round} not in late:
                 late.append({"site": header.site_id, "round": header.round})
@@ -289,7 +308,7 @@ class Coordinator:
             )
         if header.round > self._open:
             raise CoordinatorError("failed_precondition", f"round {header.round} is not open (open round is {self._open})")
-        return header.site_id in self._pushes
+        return "duplicate" if header.site_id in self._pushes else "take"
 
     def _maybe_commit(self) -> RoundRecord | None:
         pushed = set(self._pushes)
@@ -324,6 +343,7 @@ class Coordinator:
             rejected=not verdict.accepted,
             guard=None if verdict.accepted else verdict.describe(),
             absent=sorted(self._members.active - pushed),
+            merged=list(self._merged),
             evicted=sorted(set(self._evicted)),
             global_sha256=self._hash,
             wall_s=now - self._round_start,
@@ -335,6 +355,7 @@ class Coordinator:
         for old in [k for k in self._records if k <= r - _KEEP_RECORDS]:
             del self._records[old]
         self._evicted = []
+        self._merged = []
         self._open = r + 1
         if self.cfg.checkpoint_dir is not None:
             # Before any site can see the round committed: a restart never loses a published round.
@@ -376,6 +397,7 @@ class Coordinator:
             "participants": {str(r): list(p) for r, p in self._participants.items()},
             "records": {str(r): rec for r, rec in self._records.items()},
             "guard_history": self._guard.history,
+            "merged_done": sorted(self._merged_done),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -399,6 +421,8 @@ class Coordinator:
             self._members.restore(state["members"], grace_s=RESTART_GRACE_S)
             self._records = {int(r): dict(rec) for r, rec in state.get("records", {}).items()}
             self._guard = SpikeGuard(self.cfg.guard, list(state.get("guard_history", [])))
+            self._merged_done = {(str(s), int(r)) for s, r in state.get("merged_done", [])}
+            self._merged = []
             self._acc = WeightedMean(self._shapes)
             self._pushes, self._pushed_at, self._push_bytes = {}, {}, 0
             self._updates, self._global_chunks = {}, None

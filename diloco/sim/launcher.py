@@ -246,7 +246,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
     # Goodput: tokens in committed (not rejected) rounds over every token any site trained,
     # counting the work of killed processes and dropped rounds (progress/<site>.<incarnation>).
     trained = sum(json.loads(p.read_text())["tokens"] for p in (run_dir / "progress").glob("*.json"))
-    committed = sum(m["tokens"] for m in metrics if not m.get("rejected"))
+    committed = sum(m["tokens"] + sum(p["tokens"] for p in m.get("merged", [])) for m in metrics if not m.get("rejected"))
     return {
         "mode": cfg.mode,
         "sites": cfg.workers,

@@ -96,6 +96,7 @@ class OuterSync:
         self.bytes_down = 0
         self.rejoins = 0  # times this site had to join again (evicted, or the coordinator forgot it)
         self.dropped_rounds: list[int] = []  # rounds committed without this site's push
+        self.merged_rounds: list[int] = []  # rounds whose late push was merged into a later round
         self._heartbeat: Heartbeat | None = None
 
     @property
@@ -177,6 +178,12 @@ class OuterSync:
                 result = self.client.push(header, iter(chunks))
                 self.bytes_up += result.payload_bytes
                 self._residual = residual  # only a push that counted moves the residual on
+                if result.merged_into:
+                    # Late, but merged into the open round (quorum.late=merge): it counted; go on
+                    # from the open round's θ like a site whose push was dropped.
+                    self.merged_rounds.append(r)
+                    self._log(f"site {self.site_id}: round {r} push came late; merged into round {result.merged_into}")
+                    return self._catch_up(r, None, dropped=False)
                 stage = "pull"
                 self._wait_committed(r)
                 assembler = ChunkAssembler(self._specs)
@@ -201,17 +208,17 @@ class OuterSync:
         self.round_hashes[r] = digest
         return digest
 
-    def _catch_up(self, r: int, why: RemoteError, dropped: bool) -> str:
+    def _catch_up(self, r: int, why: RemoteError | None, dropped: bool) -> str:
         """Loads θ whole, joining again when the coordinator asks for it; ``dropped``: round
         r's work did not count (else it counted, and only its update is gone, e.g. after a
         coordinator restart)."""
         if dropped:
             self.dropped_rounds.append(r)
-        if why.code == "FAILED_PRECONDITION":
+        if why is not None and why.code == "FAILED_PRECONDITION":
             self._log(f"site {self.site_id}: {why.message}; joining again")
             self.rejoins += 1
             self._call(lambda: self.client.join(self.site_id, self._specs.values()), "join")
-        else:
+        elif why is not None:
             self._log(f"site {self.site_id}: {why.message}")
         self._call(self._pull_global, "pull of θ")
         return params_sha256(self.global_params)

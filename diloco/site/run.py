@@ -54,6 +54,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     # site's count is at most one step behind.
     progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
     trained = 0
+    steps_per_round: dict[int, int] = {}  # inner steps this process ran per round (dynamic local steps)
     with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as real_client:
         client = faults.wrap(real_client) if faults else real_client
         sync = OuterSync(
@@ -77,6 +78,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         try:
             while not sync.finished:
                 losses = []
+                phase_start = time.monotonic()
                 for step in range(cfg.sync_every):
                     t0 = time.monotonic()
                     losses.append(trainer.step(*sampler.next_batch()))
@@ -84,8 +86,11 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                     write_json_atomic(progress, {"tokens": trained}, fsync=False)
                     if faults:
                         faults.after_step(sync.round, step, cfg.sync_every, time.monotonic() - t0)
-                round_tokens = cfg.sync_every * sampler.tokens_per_batch
-                digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
+                    if cfg.inner_budget_s is not None and time.monotonic() - phase_start >= cfg.inner_budget_s:
+                        break  # dynamic local steps: a slow site sends fewer steps, weighted by its tokens
+                round_tokens = len(losses) * sampler.tokens_per_batch
+                steps_per_round[sync.round] = len(losses)
+                digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=len(losses))
                 tokens += round_tokens
                 # After a dropped round the site continues at the open round's place in the schedule.
                 trainer.steps_done = sync.round * cfg.sync_every
@@ -104,6 +109,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         "bytes_up": sync.bytes_up,
         "bytes_down": sync.bytes_down,
         "dropped_rounds": sync.dropped_rounds,
+        "merged_rounds": sync.merged_rounds,
+        "steps_per_round": {str(r): n for r, n in sorted(steps_per_round.items())},
         "rejoins": sync.rejoins,
         "reconnects": sync.reconnects,
         "incarnation": opts.incarnation,

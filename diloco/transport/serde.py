@@ -35,11 +35,11 @@ def header_from_proto(m: pb.PushHeader) -> PushHeader:
 
 
 def push_result_to_proto(r: PushResult) -> pb.PushReply:
-    return pb.PushReply(accepted=r.accepted, duplicate=r.duplicate, round=r.round, payload_bytes=r.payload_bytes)
+    return pb.PushReply(accepted=r.accepted, duplicate=r.duplicate, round=r.round, payload_bytes=r.payload_bytes, merged_into=r.merged_into)
 
 
 def push_result_from_proto(m: pb.PushReply) -> PushResult:
-    return PushResult(accepted=m.accepted, duplicate=m.duplicate, round=m.round, payload_bytes=m.payload_bytes)
+    return PushResult(accepted=m.accepted, duplicate=m.duplicate, round=m.round, payload_bytes=m.payload_bytes, merged_into=m.merged_into)
 
 
 def join_info_to_proto(j: JoinInfo) -> pb.JoinReply:
