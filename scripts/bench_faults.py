@@ -6,8 +6,9 @@ Scenarios (tiny model, H = --sync-every, --rounds rounds, seed --seed):
 * ``clean4`` / ``clean3``: 4 and 3 sites, no faults (the bpb bracket for ``kill_every``);
 * ``kill_every``: 4 sites; every ``--kill-every`` rounds one site (in turn) is SIGKILLed half-way
   through its inner phase and started again after 2 s;
-* ``straggler``: 4 sites, site 3 is 3x slower, round deadline = 1.5 x the median push time
-  (``quorum.deadline=median``, ``quorum.min_sites=3``): the straggler is dropped when late;
+* ``straggler``: 4 sites, site 3 is 3x slower, round deadline = 1.1 x the median push time
+  once 3 sites have pushed (``quorum.deadline=median``, ``quorum.min_sites=3``): the
+  straggler is dropped when late (``quorum.late=drop``);
 * ``straggler_wait``: the same straggler with no deadline (every round waits for it);
 * ``coordinator_x3``: 4 sites, the coordinator SIGKILLed three times (between rounds, mid round,
   between rounds) and started again after 2 s.
@@ -51,7 +52,7 @@ def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         slow = {"faults": {"events": [{"kind": "slow_site", "site": 3, "factor": 3.0}]}}
         if name == "straggler_wait":
             return {**base, **slow}
-        return {**base, **slow, "quorum": {"deadline": "median", "deadline_factor": 1.5, "min_sites": 3}}
+        return {**base, **slow, "quorum": {"deadline": "median", "deadline_factor": 1.1, "min_sites": 3}}
     if name == "coordinator_x3":
         r = args.rounds
         events = [
