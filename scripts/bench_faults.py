@@ -9,6 +9,8 @@ Scenarios (tiny model, H = --sync-every, --rounds rounds, seed --seed):
 * ``straggler``: 4 sites, site 3 is 3x slower, round deadline = 1.1 x the median push time
   once 3 sites have pushed (``quorum.deadline=median``, ``quorum.min_sites=3``): the
   straggler is dropped when late (``quorum.late=drop``);
+* ``straggler_merge``: the same, but its late push is merged into the open round with weight
+  0.5 ^ rounds late (``quorum.late=merge``, at most 3 rounds late);
 * ``straggler_wait``: the same straggler with no deadline (every round waits for it);
 * ``coordinator_x3``: 4 sites, the coordinator SIGKILLed three times (between rounds, mid round,
   between rounds) and started again after 2 s.
@@ -35,7 +37,7 @@ from diloco.config import run_config_from_dict
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimStopped, run_simulation
 
-SCENARIOS = ("clean4", "clean3", "kill_every", "straggler", "straggler_wait", "coordinator_x3")
+SCENARIOS = ("clean4", "clean3", "kill_every", "straggler", "straggler_merge", "straggler_wait", "coordinator_x3")
 
 
 def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -48,11 +50,14 @@ def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             for i, r in enumerate(range(args.kill_every - 1, args.rounds - 1, args.kill_every))
         ]
         return {**base, "faults": {"events": kills}}
-    if name in ("straggler", "straggler_wait"):
+    if name.startswith("straggler"):
         slow = {"faults": {"events": [{"kind": "slow_site", "site": 3, "factor": 3.0}]}}
         if name == "straggler_wait":
             return {**base, **slow}
-        return {**base, **slow, "quorum": {"deadline": "median", "deadline_factor": 1.1, "min_sites": 3}}
+        quorum = {"deadline": "median", "deadline_factor": 1.1, "min_sites": 3}
+        if name == "straggler_merge":
+            quorum.update(late="merge", late_discount=0.5, max_staleness=3)
+        return {**base, **slow, "quorum": quorum}
     if name == "coordinator_x3":
         r = args.rounds
         events = [
