@@ -6,6 +6,10 @@ Scenarios (tiny model, H = --sync-every, --rounds rounds, seed --seed):
 * ``clean4`` / ``clean3``: 4 and 3 sites, no faults (the bpb bracket for ``kill_every``);
 * ``kill_every``: 4 sites; every ``--kill-every`` rounds one site (in turn) is SIGKILLed half-way
   through its inner phase and started again after 2 s;
+* ``kill_push_pull``: 4 sites; site 1 SIGKILLed after the first chunk of its push (round
+  rounds/3), site 2 after its update arrived, before applying it (round 2 rounds/3);
+* ``network``: 4 sites, lease 10 s; site 0 cut off for 20 s when it wants to push round
+  rounds/2 (evicted, joins again), every push attempt lost with probability 0.1 (sent again);
 * ``straggler``: 4 sites, site 3 is 3x slower, round deadline = 1.1 x the median push time
   once 3 sites have pushed (``quorum.deadline=median``, ``quorum.min_sites=3``): the
   straggler is dropped when late (``quorum.late=drop``);
@@ -37,7 +41,7 @@ from diloco.config import run_config_from_dict
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimStopped, run_simulation
 
-SCENARIOS = ("clean4", "clean3", "kill_every", "straggler", "straggler_merge", "straggler_wait", "coordinator_x3")
+SCENARIOS = ("clean4", "clean3", "kill_every", "kill_push_pull", "network", "straggler", "straggler_merge", "straggler_wait", "coordinator_x3")
 
 
 def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -50,6 +54,16 @@ def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             for i, r in enumerate(range(args.kill_every - 1, args.rounds - 1, args.kill_every))
         ]
         return {**base, "faults": {"events": kills}}
+    if name == "kill_push_pull":
+        r = args.rounds
+        events = [
+            {"kind": "kill_site", "site": 1, "at_round": r // 3, "phase": "push", "restart_after_s": 2.0},
+            {"kind": "kill_site", "site": 2, "at_round": 2 * r // 3, "phase": "pull", "restart_after_s": 2.0},
+        ]
+        return {**base, "faults": {"events": events}}
+    if name == "network":
+        events = [{"kind": "partition_site", "site": 0, "at_round": args.rounds // 2, "seconds": 20.0}, {"kind": "drop_push", "prob": 0.1}]
+        return {**base, "quorum": {"lease_s": 10.0, "min_sites": 3}, "faults": {"events": events}}
     if name.startswith("straggler"):
         slow = {"faults": {"events": [{"kind": "slow_site", "site": 3, "factor": 3.0}]}}
         if name == "straggler_wait":
