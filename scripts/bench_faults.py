@@ -15,6 +15,8 @@ Scenarios (tiny model, H = --sync-every, --rounds rounds, seed --seed):
   straggler is dropped when late (``quorum.late=drop``);
 * ``straggler_merge``: the same, but its late push is merged into the open round with weight
   0.5 ^ rounds late (``quorum.late=merge``, at most 3 rounds late);
+* ``straggler_merge_dn`` / ``clean4_dn``: ``straggler_merge`` and ``clean4`` with the Delayed
+  Nesterov outer optimizer (``outer.name=DelayedNesterov``, ``outer.period=--dn-period``);
 * ``straggler_wait``: the same straggler with no deadline (every round waits for it);
 * ``coordinator_x3``: 4 sites, the coordinator SIGKILLed three times (between rounds, mid round,
   between rounds) and started again after 2 s.
@@ -41,11 +43,13 @@ from diloco.config import run_config_from_dict
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimStopped, run_simulation
 
-SCENARIOS = ("clean4", "clean3", "kill_every", "kill_push_pull", "network", "straggler", "straggler_merge", "straggler_wait", "coordinator_x3")
+SCENARIOS = ("clean4", "clean3", "kill_every", "kill_push_pull", "network", "straggler", "straggler_merge", "straggler_wait", "coordinator_x3", "clean4_dn", "straggler_merge_dn")
 
 
 def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     base: dict[str, Any] = {"sites": 4, "sync_every": args.sync_every, "rounds": args.rounds, "seed": args.seed, "eval_every": args.rounds}
+    if name.endswith("_dn"):
+        return {**scenario_config(name[: -len("_dn")], args), "outer": {"name": "DelayedNesterov", "period": args.dn_period}}
     if name == "clean3":
         return {**base, "sites": 3}
     if name == "kill_every":
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--kill-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dn-period", type=int, default=2, help="outer.period of the *_dn scenarios")
     p.add_argument("--out", type=Path, default=Path("runs/bench_faults/latest"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,10 @@ Three runs, each a module-scoped fixture shared by its cells:
 * network: a site cut off from the coordinator (longer than its lease) and pushes dropped
   on the way with probability 0.3.
 * straggler: a site 20x slower than the others, with a median deadline (policy: drop).
+* straggler_merge: the same with late pushes merged, under the Delayed Nesterov outer optimizer.
+
+The kills run also uses Delayed Nesterov, so its mid-period state goes through both
+coordinator restarts.
 
 Every cell checks that the run finished, every live site ends bit-identical to the
 coordinator, the rounds in metrics.jsonl are consecutive with no repeats, and the recorded
@@ -41,7 +45,9 @@ def kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
         "{kind:kill_coordinator,at_round:4,phase:between,restart_after_s:0.5}",
         "{kind:kill_coordinator,at_round:6,phase:mid,restart_after_s:0.5}",
     )
-    return run_ok(tmp_path_factory.mktemp("kills") / "run", *BASE, "rounds=8", events, timeout=280)
+    # Delayed Nesterov's state (mid period at both coordinator kills) goes through the checkpoint.
+    dn = ["outer.name=DelayedNesterov", "outer.period=3"]
+    return run_ok(tmp_path_factory.mktemp("kills") / "run", *BASE, "rounds=8", *dn, events, timeout=280)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +196,7 @@ def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
 def straggler_merge(tmp_path_factory: pytest.TempPathFactory) -> Run:
     overrides = [
         "rounds=8", "quorum.min_sites=2", "quorum.deadline=median", "quorum.late=merge", "quorum.max_staleness=8",
+        "outer.name=DelayedNesterov", "outer.period=2",
         _events("{kind:slow_site,site:2,factor:10,at_round:1}"),
     ]  # fmt: skip
     return run_ok(tmp_path_factory.mktemp("merge") / "run", *BASE, *overrides, timeout=280)

@@ -1,5 +1,7 @@
 """The outer loop's math against values computed by hand, with no network."""
 
+import io
+
 import pytest
 import torch
 
@@ -105,3 +107,64 @@ def test_weighted_mean_does_not_depend_on_the_order_of_arrival() -> None:
             acc.add(deltas[i], weights[i])
         results.append(acc.mean()["x"])
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def _run_outer(cfg: OuterConfig, grads: list[torch.Tensor], start: torch.Tensor) -> OuterOptimizer:
+    outer = OuterOptimizer({"w": start}, cfg)
+    for g in grads:
+        outer.step({"w": g})
+    return outer
+
+
+def test_delayed_nesterov_period_1_is_bit_identical_to_nesterov_sgd() -> None:
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen) * 0.1 for _ in range(7)]
+    sgd = _run_outer(OuterConfig(), grads, start)
+    dn = _run_outer(OuterConfig(name="DelayedNesterov", period=1), grads, start)
+    assert torch.equal(sgd.params["w"], dn.params["w"])
+
+
+def test_delayed_nesterov_moves_by_one_nesterov_step_on_the_mean_every_period() -> None:
+    lr, beta = 0.7, 0.9
+    g = [torch.tensor([1.0, -2.0]), torch.tensor([3.0, 0.5]), torch.tensor([-1.0, 4.0])]
+    h = [torch.tensor([0.5, 0.5]), torch.tensor([2.0, -1.0]), torch.tensor([0.0, 3.0])]
+    start = torch.tensor([10.0, 20.0])
+    outer = OuterOptimizer({"w": start}, OuterConfig(name="DelayedNesterov", lr=lr, momentum=beta, period=3))
+    outer.step({"w": g[0]})
+    # between momentum updates: plain descent with lr / period, no momentum
+    torch.testing.assert_close(outer.params["w"], start - lr * g[0] / 3)
+    outer.step({"w": g[1]})
+    outer.step({"w": g[2]})
+    mean_g = sum(g) / 3
+    after_g = start - lr * (mean_g + beta * mean_g)  # m = mean_g
+    torch.testing.assert_close(outer.params["w"], after_g)
+    for x in h:
+        outer.step({"w": x})
+    mean_h = sum(h) / 3
+    m = beta * mean_g + mean_h
+    torch.testing.assert_close(outer.params["w"], after_g - lr * (mean_h + beta * m))
+
+
+def test_delayed_nesterov_state_survives_a_checkpoint_mid_period() -> None:
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randn(50, generator=gen)
+    grads = [torch.randn(50, generator=gen) for _ in range(9)]
+    cfg = OuterConfig(name="DelayedNesterov", period=4)
+    whole = _run_outer(cfg, grads, start)
+    first = _run_outer(cfg, grads[:6], start)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)  # as the coordinator's checkpoint does
+    state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    second = OuterOptimizer({"w": torch.zeros(50)}, cfg)
+    second.load_state_dict(state)
+    for x in grads[6:]:
+        second.step({"w": x})
+    assert torch.equal(whole.params["w"], second.params["w"])
+
+
+def test_delayed_nesterov_bad_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="outer.period"):
+        OuterConfig(name="DelayedNesterov", period=0)
+    with pytest.raises(ValueError, match="outer.momentum"):
+        OuterConfig(name="DelayedNesterov", momentum=1.0)

@@ -8,30 +8,39 @@ from typing import Any
 
 import torch
 
+from diloco.outer.delayed_nesterov import DelayedNesterov
+
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Any torch.optim optimizer by class name; the default is DiLoCo's Nesterov SGD."""
+    """Any torch.optim optimizer by class name, or ``DelayedNesterov``; the default is DiLoCo's
+    Nesterov SGD. ``period`` is DelayedNesterov's: outer steps between momentum updates."""
 
     name: str = "SGD"
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    period: int = 4
     kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra constructor arguments
 
     def __post_init__(self) -> None:
-        if not isinstance(getattr(torch.optim, self.name, None), type):
-            raise ValueError(f"outer.name={self.name!r}: not an optimizer class in torch.optim")
+        if self.name != "DelayedNesterov" and not isinstance(getattr(torch.optim, self.name, None), type):
+            raise ValueError(f"outer.name={self.name!r}: neither DelayedNesterov nor an optimizer class in torch.optim")
         if not self.lr > 0:
             raise ValueError(f"outer.lr={self.lr}: must be > 0")
+        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
+            raise ValueError(f"outer.period={self.period!r}: must be an integer >= 1")
+        if self.name == "DelayedNesterov" and not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"outer.momentum={self.momentum}: DelayedNesterov needs a momentum in [0, 1)")
 
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        cls = getattr(torch.optim, self.name)
         kwargs: dict[str, Any] = {"lr": self.lr, **dict(self.kwargs)}
+        if self.name == "DelayedNesterov":
+            return DelayedNesterov(params, momentum=self.momentum, period=self.period, **kwargs)
         if self.name == "SGD":
             kwargs.setdefault("momentum", self.momentum)
             kwargs.setdefault("nesterov", self.nesterov and self.momentum > 0)
-        return cls(params, **kwargs)
+        return getattr(torch.optim, self.name)(params, **kwargs)
 
 
 class OuterOptimizer:
