@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diloco.boxes import Box
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -27,6 +29,13 @@ class Chunk:
     codec: str
     payload: bytes
     round: int = 0
+    box_start: tuple[int, ...] = ()  # a slice of the tensor (see diloco.boxes); empty: the whole tensor,
+    box_shape: tuple[int, ...] = ()  # else offset and numel count elements of the box's flat view
+
+    @property
+    def box(self) -> Box:
+        """The part of the tensor this chunk's offset/numel refer to."""
+        return Box(self.box_start, self.box_shape) if self.box_shape or self.box_start else Box.whole(self.shape)
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,8 @@ class PushHeader:
     tokens: int  # tokens processed in the round: the site's averaging weight
     train_loss: float  # mean inner loss over the round, nats per token
     inner_steps: int
+    part: int = 0  # a sharded site pushes `parts` parts (one per rank), each with its own slices
+    parts: int = 1
 
 
 @dataclass(frozen=True)

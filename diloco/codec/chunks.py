@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from diloco.boxes import Box, tiling_problem
 from diloco.codec.base import Codec, CodecError, get_codec
 from diloco.types import Chunk, TensorSpec
 
@@ -17,26 +18,45 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def encode_chunks(
-    tensors: Mapping[str, torch.Tensor], *, codec: Codec, round: int, chunk_bytes: int = MAX_CHUNK_BYTES
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    codec: Codec,
+    round: int,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+    boxes: Mapping[str, tuple[Box, tuple[int, ...]]] | None = None,
 ) -> Iterator[Chunk]:
-    """Yields chunks of every tensor in name order, each payload at most ``chunk_bytes``."""
+    """Yields chunks of every tensor in name order, each payload at most ``chunk_bytes``.
+
+    ``boxes`` (optional) says that ``tensors[name]`` is only a slice of a bigger tensor:
+    name -> (its box, the whole tensor's shape); its chunks then carry the box, and their
+    offsets count elements of the slice.
+    """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes={chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
     step = codec.max_chunk_numel(chunk_bytes)
     for name in sorted(tensors):
         t = tensors[name]
+        shape, box_start, box_shape = tuple(t.shape), (), ()
+        if boxes is not None and name in boxes:
+            box, full = boxes[name]
+            if tuple(box.shape) != shape:
+                raise ValueError(f"{name!r}: the tensor has shape {list(shape)}, its box {box} has {list(box.shape)}")
+            if not box.is_whole(full):
+                shape, box_start, box_shape = tuple(full), box.start, box.shape
         flat = t.detach().reshape(-1)
         for offset in range(0, max(flat.numel(), 1), step):
             piece = flat[offset : offset + step]
             yield Chunk(
                 name=name,
-                shape=tuple(t.shape),
+                shape=shape,
                 dtype=dtype_name(t.dtype),
                 offset=offset,
                 numel=piece.numel(),
                 codec=codec.name,
                 payload=codec.encode(piece),
                 round=round,
+                box_start=box_start,
+                box_shape=box_shape,
             )
 
 
@@ -51,63 +71,233 @@ def encoded_bytes(numels: Iterable[int], *, codec: Codec, chunk_bytes: int = MAX
     return total
 
 
+def _check_header(specs: Mapping[str, TensorSpec], chunk: Chunk) -> TensorSpec:
+    spec = specs.get(chunk.name)
+    if spec is None:
+        raise CodecError(f"unknown parameter {chunk.name!r}")
+    if tuple(chunk.shape) != spec.shape:
+        raise CodecError(f"parameter {chunk.name!r} has shape {list(spec.shape)}, chunk declares {list(chunk.shape)}")
+    if chunk.dtype != spec.dtype:
+        raise CodecError(f"parameter {chunk.name!r} has dtype {spec.dtype}, chunk declares {chunk.dtype}")
+    return spec
+
+
+def _check_range(chunk: Chunk, expected: int, numel: int, what: str) -> None:
+    if chunk.offset != expected:
+        raise CodecError(
+            f"chunk of {chunk.name!r}{what} starts at element {chunk.offset}, expected {expected} "
+            "(chunks of a tensor must arrive once, in order, without gaps or overlaps)"
+        )
+    if chunk.numel < 0 or chunk.offset + chunk.numel > numel or (chunk.numel == 0 and numel > 0):
+        raise CodecError(f"chunk of {chunk.name!r}{what} covers elements [{chunk.offset}, {chunk.offset + chunk.numel}) of a tensor with {numel}")
+
+
+def _decode(chunk: Chunk) -> torch.Tensor:
+    try:
+        values = get_codec(chunk.codec).decode(chunk.payload, chunk.numel)
+    except CodecError as e:
+        raise CodecError(f"chunk of {chunk.name!r} at elements [{chunk.offset}, {chunk.offset + chunk.numel}): {e}") from None
+    if not torch.isfinite(values).all():
+        bad = int((~torch.isfinite(values)).sum())
+        raise CodecError(f"non-finite values in {chunk.name!r}: {bad} of {chunk.numel} in this chunk")
+    return values
+
+
 class ChunkAssembler:
     """Decodes a stream of chunks into whole float32 tensors, checking every header.
 
-    The expected tensors are given by their specs; each tensor must arrive exactly once,
-    in order, with no gap or overlap. ``out`` (optional) holds preallocated buffers that
-    the assembler fills in place, so a caller can reuse one staging area across pushes.
-    Raises CodecError with a message naming the tensor and what was wrong.
+    The expected tensors are given by their specs. A tensor arrives whole, or as slices
+    (boxes, pushed by the ranks of a sharded site); each slice arrives once, its chunks in
+    order with no gap or overlap, and by ``finish`` the slices of every tensor must tile it
+    exactly. ``out`` (optional) holds preallocated buffers that the assembler fills in place,
+    so a caller can reuse one staging area across pushes. Raises CodecError with a message
+    naming the tensor and what was wrong.
     """
 
     def __init__(self, specs: Mapping[str, TensorSpec], out: dict[str, torch.Tensor] | None = None) -> None:
         self._specs = specs
         self._out = out if out is not None else {}
-        self._next_offset: dict[str, int] = {}
+        self._next_offset: dict[tuple[str, Box], int] = {}
+        self._boxes: dict[str, list[Box]] = {}
+        self._pending: dict[tuple[str, Box], torch.Tensor] = {}  # slices being filled
         self.payload_bytes = 0
 
     def add(self, chunk: Chunk) -> None:
-        spec = self._specs.get(chunk.name)
-        if spec is None:
-            raise CodecError(f"unknown parameter {chunk.name!r}")
-        if tuple(chunk.shape) != spec.shape:
-            raise CodecError(f"parameter {chunk.name!r} has shape {list(spec.shape)}, chunk declares {list(chunk.shape)}")
-        if chunk.dtype != spec.dtype:
-            raise CodecError(f"parameter {chunk.name!r} has dtype {spec.dtype}, chunk declares {chunk.dtype}")
-        numel = _numel(spec.shape)
-        expected = self._next_offset.get(chunk.name, 0)
-        if chunk.offset != expected:
-            raise CodecError(
-                f"chunk of {chunk.name!r} starts at element {chunk.offset}, expected {expected} "
-                "(chunks of a tensor must arrive once, in order, without gaps or overlaps)"
-            )
-        if chunk.numel < 0 or chunk.offset + chunk.numel > numel or (chunk.numel == 0 and numel > 0):
-            raise CodecError(
-                f"chunk of {chunk.name!r} covers elements [{chunk.offset}, {chunk.offset + chunk.numel}) "
-                f"of a tensor with {numel}"
-            )
-        try:
-            values = get_codec(chunk.codec).decode(chunk.payload, chunk.numel)
-        except CodecError as e:
-            raise CodecError(f"chunk of {chunk.name!r} at elements [{chunk.offset}, {chunk.offset + chunk.numel}): {e}") from None
-        if not torch.isfinite(values).all():
-            bad = int((~torch.isfinite(values)).sum())
-            raise CodecError(f"non-finite values in {chunk.name!r}: {bad} of {chunk.numel} in this chunk")
+        spec = _check_header(self._specs, chunk)
+        box = chunk.box
+        whole = box.is_whole(spec.shape)
+        key = (chunk.name, box)
+        if key not in self._next_offset:
+            why = box.problem(spec.shape)
+            if why is not None:
+                raise CodecError(f"chunk of {chunk.name!r}: {why}")
+            for other in self._boxes.get(chunk.name, []):
+                if other.overlaps(box):
+                    raise CodecError(f"slice {box} of {chunk.name!r} overlaps its slice {other} that arrived before")
+        where = "" if whole else f" slice {box}"
+        _check_range(chunk, self._next_offset.get(key, 0), box.numel, where)
+        values = _decode(chunk)
+        if key not in self._next_offset:
+            self._boxes.setdefault(chunk.name, []).append(box)
         buf = self._out.get(chunk.name)
         if buf is None:
             buf = self._out[chunk.name] = torch.empty(spec.shape, dtype=torch.float32)
-        buf.view(-1)[chunk.offset : chunk.offset + chunk.numel] = values
-        self._next_offset[chunk.name] = chunk.offset + chunk.numel
+        if whole:
+            buf.view(-1)[chunk.offset : chunk.offset + chunk.numel] = values
+        else:
+            part = self._pending.get(key)
+            if part is None:
+                part = self._pending[key] = torch.empty(box.numel, dtype=torch.float32)
+            part[chunk.offset : chunk.offset + chunk.numel] = values
+            if chunk.offset + chunk.numel == box.numel:
+                buf[box.slices()] = self._pending.pop(key).view(box.shape)
+        self._next_offset[key] = chunk.offset + chunk.numel
         self.payload_bytes += len(chunk.payload)
 
+    def problems(self) -> list[str]:
+        """What keeps the tensors from being complete: missing, partial or not tiled."""
+        out = []
+        for n in sorted(self._specs):
+            shape = self._specs[n].shape
+            boxes = self._boxes.get(n, [])
+            partial = [b for b in boxes if self._next_offset[(n, b)] != b.numel]
+            if not boxes or partial:
+                out.append(f"{n!r} missing or partial")
+            else:
+                why = tiling_problem(boxes, shape)
+                if why is not None:
+                    out.append(f"{n!r}: {why}")
+        return out
+
     def finish(self) -> dict[str, torch.Tensor]:
-        """The assembled tensors; CodecError if any expected tensor is missing or incomplete."""
-        missing = [n for n in sorted(self._specs) if self._next_offset.get(n, -1) != _numel(self._specs[n].shape)]
-        if missing:
-            shown = ", ".join(repr(n) for n in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise CodecError(f"incomplete: {len(missing)} parameter(s) missing or partial: {shown}{more}")
+        """The assembled tensors; CodecError if any expected tensor is missing, incomplete or
+        not tiled exactly by its slices."""
+        problems = self.problems()
+        if problems:
+            shown = "; ".join(problems[:5])
+            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+            raise CodecError(f"incomplete: {len(problems)} parameter(s) missing, partial or with gaps: {shown}{more}")
         return {n: self._out[n] for n in self._specs}
+
+
+def check_part(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], round: int) -> tuple[list[Chunk], dict[str, list[Box]], int]:
+    """Checks one rank's part of a sharded push without assembling whole tensors: headers,
+    slices inside their tensors and not overlapping each other, chunks in order, payloads
+    that decode to finite values. Returns the chunks, the slices per tensor, and the payload
+    bytes; raises CodecError naming what was wrong."""
+    kept: list[Chunk] = []
+    boxes: dict[str, list[Box]] = {}
+    next_offset: dict[tuple[str, Box], int] = {}
+    payload = 0
+    for chunk in chunks:
+        if chunk.round != round:
+            raise CodecError(f"chunk of {chunk.name!r} is for round {chunk.round}, header says {round}")
+        spec = _check_header(specs, chunk)
+        box = chunk.box
+        key = (chunk.name, box)
+        if key not in next_offset:
+            why = box.problem(spec.shape)
+            if why is not None:
+                raise CodecError(f"chunk of {chunk.name!r}: {why}")
+            for other in boxes.get(chunk.name, []):
+                if other.overlaps(box):
+                    raise CodecError(f"slice {box} of {chunk.name!r} overlaps slice {other} of the same push")
+            boxes.setdefault(chunk.name, []).append(box)
+        _check_range(chunk, next_offset.get(key, 0), box.numel, "" if box.is_whole(spec.shape) else f" slice {box}")
+        _decode(chunk)
+        next_offset[key] = chunk.offset + chunk.numel
+        payload += len(chunk.payload)
+        kept.append(chunk)
+    partial = [f"{n!r} slice {b}" for (n, b), end in next_offset.items() if end != b.numel]
+    if partial:
+        raise CodecError(f"incomplete: {', '.join(partial[:5])} cut short")
+    return kept, boxes, payload
+
+
+def chunks_overlapping(chunks: Iterable[Chunk], want: Mapping[str, Box]) -> list[Chunk]:
+    """The chunks (of whole tensors) that hold some element of the rows of a wanted slice."""
+    out = []
+    for c in chunks:
+        box = want.get(c.name)
+        if box is not None:
+            lo, hi = box.row_window(c.shape)
+            if c.offset < hi and lo < c.offset + max(c.numel, 1):
+                out.append(c)
+    return out
+
+
+class SliceAssembler:
+    """Decodes chunks into the slices one rank holds (``wanted``: name -> Box; a whole box is
+    the whole tensor).
+
+    Chunks of whole tensors (the coordinator's θ and updates) may come filtered to those that
+    overlap the wanted rows, so their offsets only have to increase; each is decoded only if it
+    overlaps the rows of the wanted slice. Chunks of a slice (a rank's own push) must be for
+    the wanted slice and arrive in order; chunks of other tensors are skipped. ``finish``
+    checks that every wanted slice is complete.
+    """
+
+    def __init__(self, specs: Mapping[str, TensorSpec], wanted: Mapping[str, Box]) -> None:
+        self._specs = specs
+        self._wanted = dict(wanted)
+        self._next_offset: dict[str, int] = {}
+        self._covered: dict[str, int] = {}  # elements received of what the slice needs
+        self._target: dict[str, int] = {}  # what it needs: the slice, or the rows it lies in
+        self._out: dict[str, torch.Tensor] = {}
+        self._window: dict[str, torch.Tensor] = {}  # the rows of a slice that does not span whole rows
+        self.payload_bytes = 0
+
+    def add(self, chunk: Chunk) -> None:
+        spec = _check_header(self._specs, chunk)
+        box = self._wanted.get(chunk.name)
+        if box is None:
+            return  # a tensor this rank does not hold
+        expected = self._next_offset.get(chunk.name, 0)
+        whole = chunk.box.is_whole(spec.shape)
+        lo, hi = box.row_window(spec.shape)
+        target = self._target.setdefault(chunk.name, hi - lo if whole else box.numel)
+        if target != (hi - lo if whole else box.numel):
+            raise CodecError(f"chunks of {chunk.name!r} mix the whole tensor and slice {chunk.box}")
+        if whole:
+            _check_range(chunk, max(expected, chunk.offset), _numel(spec.shape), "")
+            if chunk.offset < expected:
+                _check_range(chunk, expected, _numel(spec.shape), "")
+            self._add_whole_tensor_chunk(chunk, spec, box)
+        else:
+            if chunk.box != box:
+                raise CodecError(f"chunk of {chunk.name!r} is for slice {chunk.box}; this rank holds {box}")
+            _check_range(chunk, expected, box.numel, f" slice {box}")
+            out = self._out.setdefault(chunk.name, torch.empty(box.shape, dtype=torch.float32))
+            out.view(-1)[chunk.offset : chunk.offset + chunk.numel] = _decode(chunk)
+            self.payload_bytes += len(chunk.payload)
+            self._covered[chunk.name] = self._covered.get(chunk.name, 0) + chunk.numel
+        self._next_offset[chunk.name] = chunk.offset + chunk.numel
+
+    def _add_whole_tensor_chunk(self, chunk: Chunk, spec: TensorSpec, box: Box) -> None:
+        lo, hi = box.row_window(spec.shape)
+        a, b = max(lo, chunk.offset), min(hi, chunk.offset + chunk.numel)
+        if a >= b:
+            return  # rows this rank does not hold: not even decoded
+        values = _decode(chunk)[a - chunk.offset : b - chunk.offset]
+        self.payload_bytes += len(chunk.payload)
+        self._covered[chunk.name] = self._covered.get(chunk.name, 0) + (b - a)
+        if tuple(box.shape[1:]) == tuple(spec.shape[1:]):  # whole rows: straight into the slice
+            out = self._out.setdefault(chunk.name, torch.empty(box.shape, dtype=torch.float32))
+            out.view(-1)[a - lo : b - lo] = values
+            return
+        window = self._window.get(chunk.name)
+        if window is None:
+            window = self._window[chunk.name] = torch.empty((box.shape[0], *spec.shape[1:]), dtype=torch.float32)
+        window.view(-1)[a - lo : b - lo] = values
+        if self._covered[chunk.name] == hi - lo:  # every row arrived: keep only this rank's columns
+            self._out[chunk.name] = self._window.pop(chunk.name)[(slice(None), *box.slices()[1:])].clone()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The wanted slices; CodecError naming those missing or partial."""
+        missing = [repr(n) for n in sorted(self._wanted) if n not in self._out or self._covered.get(n, 0) != self._target[n]]
+        if missing:
+            raise CodecError(f"incomplete: {len(missing)} slice(s) missing or partial: {', '.join(missing[:5])}")
+        return {n: self._out[n] for n in sorted(self._wanted)}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -20,13 +20,15 @@ from typing import Any
 
 import torch
 
-from diloco.codec import ChunkAssembler, CodecConfig, CodecError, codec_config, encode_chunks, get_codec, is_lossless
+from diloco.boxes import Box
+from diloco.codec import ChunkAssembler, CodecConfig, CodecError, check_part, chunks_overlapping, codec_config, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.checkpoint import save_checkpoint
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
 from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.membership import Membership
+from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_policy import RoundPolicy
 from diloco.outer import OuterConfig, OuterOptimizer, WeightedMean, params_sha256
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
@@ -131,6 +133,7 @@ class Coordinator:
         self._records: dict[int, dict[str, Any]] = {}  # the last few rounds' RoundRecord.summary()
         self._merged: list[dict[str, Any]] = []  # late pushes merged into the open round
         self._merged_done: set[tuple[str, int]] = set()  # (site, round) of every merged push (repeats are duplicates)
+        self._parts = PartialPushes()  # parts of sharded sites' pushes, until each site's last part
         self.on_commit: list[Callable[[RoundRecord], None]] = []
         self.on_push: list[Callable[[int], None]] = []  # called with the round after each accepted push
 
@@ -243,11 +246,18 @@ class Coordinator:
 
     # ---- pushes ----------------------------------------------------------------------
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
-        """Accepts one site's whole pseudo-gradient for one round, or nothing of it."""
+        """Accepts one site's whole pseudo-gradient for one round, or nothing of it. A part of
+        a sharded site's push (``header.parts > 1``) waits until every part has arrived."""
+        if header.parts > 1:
+            return self._push_part(header, chunks)
         with self._cv:
             verdict = self._check_push(header)
         if verdict == "duplicate":
             return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
+        return self._take(header, chunks)
+
+    def _take(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        """Decodes a whole push into a staging buffer, then adds it to the round (or merges it)."""
         staging = self._staging.get()
         try:
             assembler = ChunkAssembler(self._specs, out=staging)
@@ -285,6 +295,40 @@ class Coordinator:
             for listener in self.on_commit:
                 listener(record)
         return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=assembler.payload_bytes, merged_into=merged_into)
+
+    def _push_part(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        """One rank's slices of a sharded site's push: checked now, kept encoded, and taken as
+        one whole push (the slices must tile every tensor) when the site's last part arrives."""
+        what = f"push part {header.part} of {header.parts} of site {header.site_id!r} for round {header.round}"
+        why = PartialPushes.check_header(header)
+        if why is not None:
+            raise CoordinatorError("invalid_argument", f"{what} rejected: {why}")
+        with self._cv:
+            verdict = self._check_push(header)
+        if verdict == "duplicate":
+            return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
+        try:
+            kept, boxes, payload = check_part(self._specs, chunks, header.round)
+        except CodecError as e:
+            raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
+        with self._cv:
+            try:
+                verdict = self._check_push(header)
+            except CoordinatorError:
+                self._parts.discard(header.site_id, header.round)  # late and refused: the other parts go too
+                raise
+            if verdict == "duplicate":
+                return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
+            try:
+                state, every = self._parts.add(header, kept, boxes)
+            except ValueError as e:
+                raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
+        if state == "duplicate":
+            return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
+        if state == "waiting":
+            return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=payload)
+        result = self._take(header, every)
+        return PushResult(accepted=result.accepted, duplicate=result.duplicate, round=result.round, payload_bytes=payload, merged_into=result.merged_into)
 
     def _check_push(self, header: PushHeader) -> str:
         """"take" (a push for the open round), "merge" (a late push the policy folds into the
@@ -357,6 +401,9 @@ class Coordinator:
         self._evicted = []
         self._merged = []
         self._open = r + 1
+        # Parts of pushes for rounds that can no longer be taken (refused, or too late to merge).
+        stale = self.cfg.max_staleness if self.cfg.late == "merge" else 0
+        self._parts.prune(lambda rnd: self._open - rnd <= stale)
         if self.cfg.checkpoint_dir is not None:
             # Before any site can see the round committed: a restart never loses a published round.
             save_checkpoint(Path(self.cfg.checkpoint_dir), self._open, self._checkpoint_state())
@@ -426,6 +473,7 @@ class Coordinator:
             self._acc = WeightedMean(self._shapes)
             self._pushes, self._pushed_at, self._push_bytes = {}, {}, 0
             self._updates, self._global_chunks = {}, None
+            self._parts.clear()
             self._round_start = self._clock()
             last = self._records.get(committed - 1)
             if last is not None:  # elapsed_s goes on from where the predecessor stopped
@@ -439,8 +487,17 @@ class Coordinator:
             self._cv.wait_for(lambda: self._open > round, timeout=max(0.0, timeout_s))
             return self._status()
 
-    def pull_update(self, site_id: str, round: int) -> list[Chunk]:
-        """The encoded update of committed round ``round``."""
+    def _check_want(self, want: Mapping[str, Box] | None) -> None:
+        for name, box in (want or {}).items():
+            spec = self._specs.get(name)
+            why = f"unknown parameter {name!r}" if spec is None else box.problem(spec.shape)
+            if why is not None:
+                raise CoordinatorError("invalid_argument", f"pull of slices refused: {why}")
+
+    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:
+        """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
+        the chunks that hold rows of those slices (what one rank of a sharded site needs)."""
+        self._check_want(want)
         with self._cv:
             self._require_member(site_id)
             if round >= self._open:
@@ -448,11 +505,15 @@ class Coordinator:
             chunks = self._updates.get(round)
             if chunks is None:
                 raise CoordinatorError("not_found", f"the update of round {round} is no longer kept; pull the global parameters instead")
+            if want is not None:
+                chunks = chunks_overlapping(chunks, want)
             self._bytes_down[round] = self._bytes_down.get(round, 0) + sum(len(c.payload) for c in chunks)
             return chunks
 
-    def pull_global(self, site_id: str) -> list[Chunk]:
-        """θ after the last committed round, float32, tagged with the open round number."""
+    def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> list[Chunk]:
+        """θ after the last committed round, float32, tagged with the open round number (with
+        ``want``: only the chunks that hold rows of those slices)."""
+        self._check_want(want)
         with self._cv:
             self._require_member(site_id)
             # Encoded once per committed round and shared by every puller (sites joining
@@ -460,6 +521,8 @@ class Coordinator:
             if self._global_chunks is None or self._global_chunks[0] != self._open:
                 self._global_chunks = (self._open, list(encode_chunks(self._outer.params, codec=get_codec("fp32"), round=self._open, chunk_bytes=self.cfg.chunk_bytes)))
             chunks = self._global_chunks[1]
+            if want is not None:
+                chunks = chunks_overlapping(chunks, want)
             self._bytes_down[self._open] = self._bytes_down.get(self._open, 0) + sum(len(c.payload) for c in chunks)
             return chunks
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import grpc
 
+from diloco.boxes import Box
 from diloco.transport import serde
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
@@ -91,11 +92,12 @@ class CoordinatorClient:
             raise _remote(e) from None
         return serde.status_from_proto(reply)
 
-    def pull_update(self, site_id: str, round: int) -> list[Chunk]:
-        return self._pull(self._stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round))
+    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:
+        """Round ``round``'s encoded update; with ``want``, only the chunks overlapping those slices."""
+        return self._pull(self._stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want)))
 
-    def pull_global(self, site_id: str) -> list[Chunk]:
-        return self._pull(self._stub.PullGlobal, pb.PullRequest(site_id=site_id))
+    def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> list[Chunk]:
+        return self._pull(self._stub.PullGlobal, pb.PullRequest(site_id=site_id, want=serde.boxes_to_proto(want)))
 
     def _pull(self, rpc: grpc.UnaryStreamMultiCallable, req: pb.PullRequest) -> list[Chunk]:
         try:

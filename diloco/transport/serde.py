@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
+from diloco.boxes import Box
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
 
@@ -16,22 +19,35 @@ def spec_from_proto(m: pb.TensorSpec) -> TensorSpec:
 
 def chunk_to_proto(c: Chunk) -> pb.TensorChunk:
     return pb.TensorChunk(
-        name=c.name, shape=list(c.shape), dtype=c.dtype, offset=c.offset, numel=c.numel, codec=c.codec, payload=c.payload, round=c.round
-    )
+        name=c.name, shape=list(c.shape), dtype=c.dtype, offset=c.offset, numel=c.numel, codec=c.codec, payload=c.payload, round=c.round,
+        box_start=list(c.box_start), box_shape=list(c.box_shape),
+    )  # fmt: skip
 
 
 def chunk_from_proto(m: pb.TensorChunk) -> Chunk:
     return Chunk(
-        name=m.name, shape=tuple(m.shape), dtype=m.dtype, offset=m.offset, numel=m.numel, codec=m.codec, payload=m.payload, round=m.round
-    )
+        name=m.name, shape=tuple(m.shape), dtype=m.dtype, offset=m.offset, numel=m.numel, codec=m.codec, payload=m.payload, round=m.round,
+        box_start=tuple(m.box_start), box_shape=tuple(m.box_shape),
+    )  # fmt: skip
 
 
 def header_to_proto(h: PushHeader) -> pb.PushHeader:
-    return pb.PushHeader(site_id=h.site_id, round=h.round, tokens=h.tokens, train_loss=h.train_loss, inner_steps=h.inner_steps)
+    return pb.PushHeader(site_id=h.site_id, round=h.round, tokens=h.tokens, train_loss=h.train_loss, inner_steps=h.inner_steps, part=h.part, parts=h.parts)
 
 
 def header_from_proto(m: pb.PushHeader) -> PushHeader:
-    return PushHeader(site_id=m.site_id, round=m.round, tokens=m.tokens, train_loss=m.train_loss, inner_steps=m.inner_steps)
+    return PushHeader(
+        site_id=m.site_id, round=m.round, tokens=m.tokens, train_loss=m.train_loss, inner_steps=m.inner_steps, part=m.part, parts=m.parts or 1
+    )
+
+
+def boxes_to_proto(want: Mapping[str, Box] | None) -> list[pb.TensorBox]:
+    return [pb.TensorBox(name=n, start=list(b.start), shape=list(b.shape)) for n, b in sorted((want or {}).items())]
+
+
+def boxes_from_proto(want: Iterable[pb.TensorBox]) -> dict[str, Box] | None:
+    boxes = {m.name: Box(tuple(m.start), tuple(m.shape)) for m in want}
+    return boxes or None
 
 
 def push_result_to_proto(r: PushResult) -> pb.PushReply:

@@ -66,7 +66,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def PullUpdate(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
         try:
-            chunks = self._c.pull_update(request.site_id, request.round)
+            chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want))
         except CoordinatorError as e:
             _abort(context, e)
         for c in chunks:
@@ -74,7 +74,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
         try:
-            chunks = self._c.pull_global(request.site_id)
+            chunks = self._c.pull_global(request.site_id, serde.boxes_from_proto(request.want))
         except CoordinatorError as e:
             _abort(context, e)
         for c in chunks:

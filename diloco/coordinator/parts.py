@@ -1,0 +1,75 @@
+"""Pushes of sharded sites: every rank pushes its own slices as one part; the site's push
+counts once all its parts have arrived. Parts wait here (encoded, as received) until then."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from diloco.boxes import Box
+from diloco.types import Chunk, PushHeader
+
+MAX_PARTS = 4096  # ranks per site
+
+
+@dataclass
+class _Pending:
+    parts: int
+    tokens: int
+    headers: dict[int, PushHeader] = field(default_factory=dict)
+    chunks: dict[int, list[Chunk]] = field(default_factory=dict)
+    boxes: dict[str, list[tuple[Box, int]]] = field(default_factory=dict)  # name -> (slice, part)
+
+
+class PartialPushes:
+    """Parts of sharded pushes by (site, round). Not thread-safe: the coordinator's lock guards it."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, int], _Pending] = {}
+
+    @staticmethod
+    def check_header(h: PushHeader) -> str | None:
+        if not 1 <= h.parts <= MAX_PARTS:
+            return f"parts={h.parts}: must be in 1..{MAX_PARTS}"
+        if not 0 <= h.part < h.parts:
+            return f"part={h.part}: must be in 0..{h.parts - 1}"
+        return None
+
+    def add(self, header: PushHeader, chunks: list[Chunk], boxes: dict[str, list[Box]]) -> tuple[str, list[Chunk]]:
+        """("waiting", []), ("duplicate", []) for a part already here, or ("complete", every
+        part's chunks) when this was the last one. ValueError when the part disagrees with the
+        parts before it (their number, the tokens) or one of its slices overlaps theirs."""
+        key = (header.site_id, header.round)
+        p = self._pending.get(key)
+        if p is None:
+            p = self._pending[key] = _Pending(parts=header.parts, tokens=header.tokens)
+        if header.part in p.headers:
+            return "duplicate", []
+        if header.parts != p.parts or header.tokens != p.tokens:
+            raise ValueError(
+                f"part {header.part} says parts={header.parts}, tokens={header.tokens}; the parts before it said parts={p.parts}, tokens={p.tokens}"
+            )
+        for name, mine in boxes.items():
+            for box in mine:
+                for other, part in p.boxes.get(name, []):
+                    if other.overlaps(box):
+                        raise ValueError(f"slice {box} of {name!r} (part {header.part}) overlaps slice {other} of part {part}")
+        p.headers[header.part] = header
+        p.chunks[header.part] = chunks
+        for name, mine in boxes.items():
+            p.boxes.setdefault(name, []).extend((b, header.part) for b in mine)
+        if len(p.headers) < p.parts:
+            return "waiting", []
+        del self._pending[key]
+        return "complete", [c for part in sorted(p.chunks) for c in p.chunks[part]]
+
+    def discard(self, site_id: str, round: int) -> None:
+        self._pending.pop((site_id, round), None)
+
+    def prune(self, keep: Callable[[int], bool]) -> None:
+        """Forgets the parts of rounds that can no longer be taken."""
+        for key in [k for k in self._pending if not keep(k[1])]:
+            del self._pending[key]
+
+    def clear(self) -> None:
+        self._pending.clear()
