@@ -17,6 +17,7 @@ from diloco.faults import FaultsConfig, fault_to_dict
 from diloco.model import ModelConfig, model_config
 from diloco.outer import OuterConfig
 from diloco.site.inner import InnerConfig
+from diloco.site.layouts.config import LayoutConfig, layout_config
 
 MODES = ("diloco", "ddp", "single")
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
@@ -54,6 +55,8 @@ class RunConfig:
     chunk_bytes: int = MAX_CHUNK_BYTES
     eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
     threads: int = 1  # torch intra-op threads per process
+    layout: LayoutConfig = field(default_factory=LayoutConfig)  # how each site lays out its model over its ranks
+    site_layouts: tuple[str, ...] | None = None  # per site, overriding layout.name (diloco-sim: one entry per site)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,6 +77,17 @@ class RunConfig:
             raise ConfigError(f"error_feedback_decay={self.error_feedback_decay!r}: must be a number in [0, 1]")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+        try:
+            object.__setattr__(self, "layout", layout_config(self.layout))
+            if self.site_layouts is not None:
+                names = tuple(str(n) for n in self.site_layouts)
+                if len(names) != self.sites:
+                    raise ValueError(f"site_layouts has {len(names)} entries for {self.sites} sites; give one per site")
+                for n in names:
+                    self.layout.named(n)
+                object.__setattr__(self, "site_layouts", names)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for field_name in ("codec", "codec_down"):
             value = getattr(self, field_name)
             if value is None and field_name == "codec_down":
@@ -97,6 +111,10 @@ class RunConfig:
         if self.codec.name in LOW_BIT_CODECS:
             return CodecConfig(name="int8", zstd=self.codec.zstd, zstd_level=self.codec.zstd_level)
         return self.codec
+
+    def layout_of(self, site: int) -> LayoutConfig:
+        """The layout of site number ``site`` (0 .. sites-1)."""
+        return self.layout.named(self.site_layouts[site]) if self.site_layouts is not None else self.layout
 
     @property
     def workers(self) -> int:

@@ -272,9 +272,9 @@ class _FaultyClient:
         self._f.plan.kill(index, round=round, phase="push", site=self._f.site)
         yield from it
 
-    def pull_update(self, site_id: str, round: int) -> Any:
+    def pull_update(self, site_id: str, round: int, want: Any = None) -> Any:
         self._check_partition()
-        chunks = self._client.pull_update(site_id, round)
+        chunks = self._client.pull_update(site_id, round, want)
         for i, _ in self._f._events("kill_site", at_round=round, phase="pull"):
             self._f.plan.kill(i, round=round, phase="pull", site=self._f.site)
         return chunks

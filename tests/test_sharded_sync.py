@@ -133,3 +133,36 @@ def test_pulls_of_slices_carry_only_the_chunks_of_their_rows() -> None:
     assert torch.equal(asm.finish()["w"], full.finish()["w"][2:4])
     with pytest.raises(CoordinatorError, match="unknown parameter 'nope'"):
         coord.pull_update("a", 0, want={"nope": Box((0,), (1,))})
+
+
+@pytest.mark.parametrize(("codec", "cut"), [("fp32", True), ("bf16", True), ("fp16", True), ("int8", False)])
+def test_float_payloads_are_cut_to_a_ranks_rows(codec: str, cut: bool) -> None:
+    coord = _coordinator(codec_down=codec)  # each tensor is one chunk
+    for s in ("a", "b"):
+        coord.push(_header(s, 0), encode_chunks(_delta(6), codec=FP32, round=0))
+    rows = {"w": Box((2, 0), (2, 8)), "e": Box((1, 0, 0), (3, 3, 2))}
+    chunks = coord.pull_update("a", 0, want=rows)
+    assert [(c.name, c.offset, c.numel) for c in chunks] == ([("e", 6, 18), ("w", 16, 16)] if cut else [("e", 0, 24), ("w", 0, 48)])
+    full = ChunkAssembler(fingerprint(THETA))
+    for c in coord.pull_update("a", 0):
+        full.add(c)
+    whole = full.finish()
+    asm = SliceAssembler(fingerprint(THETA), rows)
+    for c in chunks:
+        asm.add(c)
+    got = asm.finish()
+    for n, b in rows.items():
+        assert torch.equal(got[n], whole[n][b.slices()])  # the cut payloads decode to the same values
+
+
+def test_the_round_record_says_what_each_part_held() -> None:
+    coord = _coordinator()
+    records = []
+    coord.on_commit.append(records.append)
+    d = _delta(7)
+    coord.push(_header("a", 0), encode_chunks(d, codec=FP32, round=0))
+    coord.push(_header("b", 0, part=0, parts=2), _part(d, RANK0, 0))
+    coord.push(_header("b", 0, part=1, parts=2), _part(d, RANK1, 0))
+    assert records[0].sliced == {
+        "b": [{"part": 0, "whole": 1, "sliced": 2, "numel": 18 + 2 + 24}, {"part": 1, "whole": 0, "sliced": 2, "numel": 30 + 3}]
+    }

@@ -21,7 +21,9 @@ class Codec(Protocol):
     (exact, or an upper bound for entropy coders); ``max_encoded_size(numel)`` bounds the
     payload of a valid encoding of numel elements under *any* parameters a sender may have
     used (block size, density), which is what a decoder may allocate at most.
-    Codecs are stateless and deterministic; error feedback is the caller's job.
+    Codecs are stateless and deterministic; error feedback is the caller's job. A codec whose
+    payload can be cut without re-encoding also has ``slice_payload(payload, numel, start,
+    stop)`` (the coordinator then sends a rank of a sharded site only the elements it holds).
     A decoder raises CodecError, never another exception, for a payload that does not
     match numel; an encoder raises CodecError for input it cannot represent.
     """
@@ -68,6 +70,10 @@ class Fp32Codec:
 
     def max_chunk_numel(self, chunk_bytes: int) -> int:
         return max(1, chunk_bytes // 4)
+
+    def slice_payload(self, payload: bytes, numel: int, start: int, stop: int) -> bytes:
+        """The payload of elements [start, stop) of this one: the same values, not re-encoded."""
+        return payload[4 * start : 4 * stop]
 
 
 # Filled by diloco.codec.registry when the package is imported: every codec NAME and

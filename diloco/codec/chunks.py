@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -215,14 +216,22 @@ def check_part(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], round: 
 
 
 def chunks_overlapping(chunks: Iterable[Chunk], want: Mapping[str, Box]) -> list[Chunk]:
-    """The chunks (of whole tensors) that hold some element of the rows of a wanted slice."""
+    """The chunks (of whole tensors) that hold some element of the rows of a wanted slice,
+    cut down to those rows when their codec can cut a payload without re-encoding it."""
     out = []
     for c in chunks:
         box = want.get(c.name)
-        if box is not None:
-            lo, hi = box.row_window(c.shape)
-            if c.offset < hi and lo < c.offset + max(c.numel, 1):
-                out.append(c)
+        if box is None:
+            continue
+        lo, hi = box.row_window(c.shape)
+        a, b = max(lo, c.offset), min(hi, c.offset + c.numel)
+        if a >= b and not (c.numel == 0 and lo <= c.offset < hi):
+            continue
+        cut = getattr(get_codec(c.codec), "slice_payload", None)
+        if cut is not None and (a, b) != (c.offset, c.offset + c.numel):
+            payload = cut(c.payload, c.numel, a - c.offset, b - c.offset)
+            c = dataclasses.replace(c, offset=a, numel=b - a, payload=payload)
+        out.append(c)
     return out
 
 

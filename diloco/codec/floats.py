@@ -50,6 +50,12 @@ class _TwoBytesPerValue:
     def max_chunk_numel(self, chunk_bytes: int) -> int:
         return largest_fitting(self.encoded_size, chunk_bytes)
 
+    def slice_payload(self, payload: bytes, numel: int, start: int, stop: int) -> bytes:
+        """Elements [start, stop): the same header parameter (fp16's exponent) and values."""
+        param = parse_header(self.name, payload, numel)
+        body = payload[HEADER_BYTES + 2 * start : HEADER_BYTES + 2 * stop]
+        return pack_header(self.name, param, stop - start) + body
+
 
 class Fp16Codec(_TwoBytesPerValue):
     """IEEE half precision after a per-chunk power-of-two scale.

@@ -74,6 +74,7 @@ class MetricsReporter:
             "evicted": rec["evicted"],
             "late": self._c.late_pushes(rec["round"]),
             "merged": rec.get("merged", []),
+            **({"sliced": rec["sliced"]} if rec.get("sliced") else {}),
             "rejected": rec["rejected"],
             "guard": rec["guard"],
             "tokens": rec["tokens"],

@@ -35,16 +35,16 @@ class PartialPushes:
             return f"part={h.part}: must be in 0..{h.parts - 1}"
         return None
 
-    def add(self, header: PushHeader, chunks: list[Chunk], boxes: dict[str, list[Box]]) -> tuple[str, list[Chunk]]:
-        """("waiting", []), ("duplicate", []) for a part already here, or ("complete", every
-        part's chunks) when this was the last one. ValueError when the part disagrees with the
+    def add(self, header: PushHeader, chunks: list[Chunk], boxes: dict[str, list[Box]]) -> tuple[str, dict[int, list[Chunk]]]:
+        """("waiting", {}), ("duplicate", {}) for a part already here, or ("complete", part ->
+        its chunks) when this was the last one. ValueError when the part disagrees with the
         parts before it (their number, the tokens) or one of its slices overlaps theirs."""
         key = (header.site_id, header.round)
         p = self._pending.get(key)
         if p is None:
             p = self._pending[key] = _Pending(parts=header.parts, tokens=header.tokens)
         if header.part in p.headers:
-            return "duplicate", []
+            return "duplicate", {}
         if header.parts != p.parts or header.tokens != p.tokens:
             raise ValueError(
                 f"part {header.part} says parts={header.parts}, tokens={header.tokens}; the parts before it said parts={p.parts}, tokens={p.tokens}"
@@ -59,9 +59,9 @@ class PartialPushes:
         for name, mine in boxes.items():
             p.boxes.setdefault(name, []).extend((b, header.part) for b in mine)
         if len(p.headers) < p.parts:
-            return "waiting", []
+            return "waiting", {}
         del self._pending[key]
-        return "complete", [c for part in sorted(p.chunks) for c in p.chunks[part]]
+        return "complete", dict(sorted(p.chunks.items()))
 
     def discard(self, site_id: str, round: int) -> None:
         self._pending.pop((site_id, round), None)

@@ -87,6 +87,8 @@ class RoundRecord:
     absent: list[str] = field(default_factory=list)  # active sites that did not push this round
     merged: list[dict[str, Any]] = field(default_factory=list)  # late pushes merged in: site, round, weight factor, tokens
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
+    # sharded sites' pushes: site -> per part {part, whole: tensors sent whole, sliced: tensors sent as slices, numel}
+    sliced: dict[str, list[dict[str, int]]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the θ snapshot (kept in checkpoints, to rewrite lost metrics lines)."""
@@ -134,6 +136,7 @@ class Coordinator:
         self._merged: list[dict[str, Any]] = []  # late pushes merged into the open round
         self._merged_done: set[tuple[str, int]] = set()  # (site, round) of every merged push (repeats are duplicates)
         self._parts = PartialPushes()  # parts of sharded sites' pushes, until each site's last part
+        self._sliced: dict[str, list[dict[str, int]]] = {}  # what the open round's sharded pushes held
         self.on_commit: list[Callable[[RoundRecord], None]] = []
         self.on_push: list[Callable[[int], None]] = []  # called with the round after each accepted push
 
@@ -256,8 +259,9 @@ class Coordinator:
             return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
         return self._take(header, chunks)
 
-    def _take(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
-        """Decodes a whole push into a staging buffer, then adds it to the round (or merges it)."""
+    def _take(self, header: PushHeader, chunks: Iterable[Chunk], sliced: list[dict[str, int]] | None = None) -> PushResult:
+        """Decodes a whole push into a staging buffer, then adds it to the round (or merges it).
+        ``sliced``: what the parts of a sharded push held (for the round's record)."""
         staging = self._staging.get()
         try:
             assembler = ChunkAssembler(self._specs, out=staging)
@@ -285,6 +289,8 @@ class Coordinator:
                     self._acc.add(delta, float(header.tokens))
                     self._pushes[header.site_id] = header
                     self._pushed_at[header.site_id] = self._clock()
+                    if sliced is not None:
+                        self._sliced[header.site_id] = sliced
                 self._push_bytes += assembler.payload_bytes
                 record = self._maybe_commit()
         finally:
@@ -327,7 +333,8 @@ class Coordinator:
             return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
         if state == "waiting":
             return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=payload)
-        result = self._take(header, every)
+        described = [_describe_part(p, chunks, self._specs) for p, chunks in every.items()]
+        result = self._take(header, (c for part in every.values() for c in part), sliced=described)
         return PushResult(accepted=result.accepted, duplicate=result.duplicate, round=result.round, payload_bytes=payload, merged_into=result.merged_into)
 
     def _check_push(self, header: PushHeader) -> str:
@@ -388,6 +395,7 @@ class Coordinator:
             guard=None if verdict.accepted else verdict.describe(),
             absent=sorted(self._members.active - pushed),
             merged=list(self._merged),
+            sliced={site: parts for site, parts in sorted(self._sliced.items()) if site in pushed},
             evicted=sorted(set(self._evicted)),
             global_sha256=self._hash,
             wall_s=now - self._round_start,
@@ -400,6 +408,7 @@ class Coordinator:
             del self._records[old]
         self._evicted = []
         self._merged = []
+        self._sliced = {}
         self._open = r + 1
         # Parts of pushes for rounds that can no longer be taken (refused, or too late to merge).
         stale = self.cfg.max_staleness if self.cfg.late == "merge" else 0
@@ -554,6 +563,14 @@ class Coordinator:
 
 _KEEP_RECORDS = 16
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
+
+
+def _describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:
+    """One part of a sharded push: how many tensors it sent whole, how many as slices, and
+    how many elements in all."""
+    whole = {c.name for c in chunks if c.box.is_whole(specs[c.name].shape)}
+    sliced = {c.name for c in chunks} - whole
+    return {"part": part, "whole": len(whole), "sliced": len(sliced), "numel": sum(c.numel for c in chunks)}
 
 
 def _norm(tensors: Mapping[str, torch.Tensor]) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--incarnation", type=int, default=0, help="how many times this process was started again")
     p.add_argument("--skip-faults", default="", help="indices of fault events that fired already")
     args = p.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A rank started by torchrun for the simulator: die with torchrun, as torchrun dies
+        # with the simulator, so that no rank outlives a killed run.
+        from diloco.sim.launcher import die_with_parent
+
+        die_with_parent()
     cfg = run_config_from_dict(json.loads(args.config.read_text()))
     process = "coordinator" if args.role == "coordinator" else f"site {args.site_id}"
     skip = [int(i) for i in args.skip_faults.split(",") if i]

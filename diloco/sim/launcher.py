@@ -88,7 +88,10 @@ def run_simulation(
             address = f"127.0.0.1:{port}"
             say(f"coordinator on {address}; starting {cfg.sites} site(s)")
             for s in range(cfg.sites):
-                site = base + ["site", *common, "--site-id", str(s), "--coordinator", address, "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
+                ranks = cfg.layout_of(s).ranks
+                # A site of several ranks is a torchrun group, as in a real run.
+                launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
+                site = launcher + ["site", *common, "--site-id", str(s), "--coordinator", address, "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
                 procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir)))
         else:
             init_file = run_dir / "pg_init"
@@ -111,9 +114,12 @@ def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_
     log_path = run_dir / "logs" / (name.replace(" ", "") + suffix + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "wb")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     extra = ["--incarnation", str(incarnation), "--skip-faults", ",".join(map(str, skip_faults or []))]
-    popen = subprocess.Popen(cmd + extra, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+    # Its own process group, so that stopping it also stops what it started (torchrun's ranks).
+    popen = subprocess.Popen(
+        cmd + extra, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent, start_new_session=True
+    )
     return _Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation)
 
 
@@ -142,7 +148,7 @@ def _fired_events(run_dir: Path) -> list[int]:
     return sorted({e["event"] for e in read_fired(run_dir)})
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: ask Linux to SIGKILL it if the simulator dies, so that a
     killed simulator never leaves a coordinator or sites behind (no-op elsewhere)."""
     try:
@@ -228,8 +234,10 @@ def _progress_line(m: dict[str, Any], cfg: RunConfig) -> str:
 
 def _stop_all(procs: list[_Proc]) -> None:
     for p in procs:
-        if p.popen.poll() is None:
-            p.popen.kill()
+        try:
+            os.killpg(p.popen.pid, signal.SIGKILL)  # the process and whatever it started
+        except (ProcessLookupError, PermissionError):
+            pass
     for p in procs:
         try:
             p.popen.wait(timeout=10)

@@ -8,17 +8,24 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from diloco.codec import ChunkAssembler, CodecConfig, codec_config, encode_chunks, is_lossless
+from diloco.codec import ChunkAssembler, CodecConfig, SliceAssembler, codec_config, encode_chunks, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
-from diloco.coordinator.fingerprint import fingerprint
 from diloco.outer import apply_update, params_sha256, pseudo_gradient
 from diloco.site.heartbeat import Heartbeat
+from diloco.site.layouts.base import ParallelModel
 from diloco.transport import CoordinatorClient, RemoteError
 from diloco.types import JoinInfo, PushHeader
 
 
 # The coordinator could not be reached (it is restarting, was stopped, or the network failed): retry.
 RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+
+# How a round ended for a site, as flags (the ranks of a site agree on their union); none set:
+# the round's update was pulled and applied. Any set: the site pulls θ whole instead.
+CATCH_UP = 1  # the push counted, but the update is gone (e.g. after a coordinator restart)
+MERGED = 2  # the push came late and was merged into the open round
+DROPPED = 4  # the round was committed without the push: its work did not count
+REJOIN = 8  # the site was evicted (or forgotten): its leader joins again first
 
 
 class _Backoff:
@@ -57,7 +64,7 @@ class OuterSync:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | ParallelModel,
         client: CoordinatorClient,
         site_id: str,
         *,
@@ -86,9 +93,14 @@ class OuterSync:
         self.before_push = before_push  # a hook called with the round before each push (fault injection)
         self.reconnects = 0  # calls that failed because the coordinator could not be reached
         self._log = log or (lambda _msg: None)
-        self._params = dict(model.named_parameters())
-        self._specs = fingerprint(self._params)
-        self.global_params: dict[str, torch.Tensor] = {}
+        # The model as laid out over the site's ranks; a plain module is a one-rank site.
+        self.layout = model if isinstance(model, ParallelModel) else ParallelModel(model)
+        self._specs = self.layout.specs
+        held = self.layout.held()
+        self._boxes = {n: h.box for n, h in held.items()}  # the slices this rank syncs
+        whole = self.layout.world == 1 and all(b.is_whole(self._specs[n].shape) for n, b in self._boxes.items())
+        self._want = None if whole else dict(self._boxes)  # pulls: everything, or only these slices
+        self.global_params: dict[str, torch.Tensor] = {}  # this rank's slices of the global θ
         self.round = 0
         self.total_rounds = 0
         self.round_hashes: dict[int, str] = {}
@@ -112,12 +124,13 @@ class OuterSync:
         return self.round >= self.total_rounds
 
     def join(self) -> JoinInfo:
-        """Registers with the coordinator, loads the whole global θ into the model and starts
-        heartbeats (three per lease)."""
+        """Registers with the coordinator (every rank of the site, under the site's id), loads
+        the global θ (this rank's slices) into the model and starts heartbeats (three per
+        lease, from the site's leader rank)."""
         info = self.client.join(self.site_id, self._specs.values())
         self.total_rounds = info.total_rounds
         self._pull_global()
-        if self._heartbeat is None and info.lease_s > 0:
+        if self._heartbeat is None and info.lease_s > 0 and self.layout.leader:
             self._heartbeat = Heartbeat(self.client, self.site_id, info.lease_s / 3, self._log)
         return info
 
@@ -127,99 +140,122 @@ class OuterSync:
             self._heartbeat.stop()
             self._heartbeat = None
 
+    def _assembler(self) -> ChunkAssembler | SliceAssembler:
+        return ChunkAssembler(self._specs) if self._want is None else SliceAssembler(self._specs, self._want)
+
     def _pull_global(self) -> None:
-        chunks = self.client.pull_global(self.site_id)
-        assembler = ChunkAssembler(self._specs)
+        chunks = self.client.pull_global(self.site_id, self._want)
+        assembler = self._assembler()
         for c in chunks:
             assembler.add(c)
         self.global_params = assembler.finish()
         self.bytes_down += assembler.payload_bytes
         self.round = chunks[0].round if chunks else 0
         self._load_global_into_model()
-        if self.round > 0:
+        if self.round > 0 and self._want is None:
             self.round_hashes[self.round - 1] = params_sha256(self.global_params)
 
     def _load_global_into_model(self) -> None:
         with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(self.global_params[name])
+            for name, h in self.layout.held().items():
+                h.tensor.copy_(self.global_params[name])
+        self.layout.after_pull()
 
     def sync(self, *, tokens: int, train_loss: float, inner_steps: int) -> str:
         """Ends this site's round: pushes Δ = θ − θ^s, waits for the commit, applies u.
 
-        Blocks until the round is committed. Returns the hash of the new global θ.
+        Blocks until the round is committed. Returns the hash of this rank's global θ.
         If the round was committed without this push (it came too late), or the site was
         evicted (its lease ran out), the site drops this round's work, pulls θ whole (joining
-        again if it must) and goes on from the open round.
+        again if it must) and goes on from the open round. The ranks of a sharded site each
+        push their own slices as one part of the site's push, and agree on the outcome.
         """
         r = self.round
-        delta = pseudo_gradient(self.global_params, self._params)
+        held = self.layout.held()
+        pushed = {n: h for n, h in held.items() if h.push}
+        delta = pseudo_gradient({n: self.global_params[n] for n in pushed}, {n: h.tensor for n, h in pushed.items()})
         if self._residual is not None:
             delta = with_residual(delta, self._residual, self.error_feedback_decay)
-        chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes))
+        boxes = {n: (h.box, self._specs[n].shape) for n, h in pushed.items()}
+        chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes, boxes=boxes))
         residual = None
         if self.error_feedback:
-            sent = ChunkAssembler(self._specs)
+            sent = ChunkAssembler(self._specs) if self._want is None else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
             for c in chunks:
                 sent.add(c)
             decoded = sent.finish()
             residual = {n: delta[n] - decoded[n] for n in delta}
-        header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps)
+        parts = self.layout.world
+        header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps, part=self.layout.rank, parts=parts)
         if self.before_push is not None:
             self.before_push(r)
+        outcome, why, update = self._exchange(r, header, chunks)
+        outcome = self.layout.agree(outcome)  # every rank of the site goes the same way
+        if not outcome & DROPPED:
+            self._residual = residual  # only a push that counted moves the residual on
+        if outcome:
+            return self._catch_up(r, why, outcome)
+        assert update is not None
+        apply_update(self.global_params, update.finish())
+        self.bytes_down += update.payload_bytes
+        self._load_global_into_model()
+        self.round = r + 1
+        digest = params_sha256(self.global_params)
+        if self._want is None:
+            self.round_hashes[r] = digest
+        return digest
+
+    def _exchange(self, r: int, header: PushHeader, chunks: list) -> tuple[int, RemoteError | None, ChunkAssembler | SliceAssembler | None]:
+        """Push, wait, pull. Returns the outcome flags (0 with the pulled update, or what
+        catching up needs), and the error behind them."""
         backoff = _Backoff(self.reconnect_timeout_s)
         while True:
-            # Push, wait, pull; when the coordinator cannot be reached (it restarted, or the
-            # network failed), back off and start again from the push: pushes are idempotent
-            # (a repeat of a counted push is answered "duplicate"), and a coordinator that
-            # restarted from its checkpoint has lost the pushes of its open round.
+            # When the coordinator cannot be reached (it restarted, or the network failed),
+            # back off and start again from the push: pushes are idempotent (a repeat of a
+            # counted push is answered "duplicate"), and a coordinator that restarted from its
+            # checkpoint has lost the pushes of its open round.
             stage = "push"
             try:
                 result = self.client.push(header, iter(chunks))
                 self.bytes_up += result.payload_bytes
-                self._residual = residual  # only a push that counted moves the residual on
                 if result.merged_into:
                     # Late, but merged into the open round (quorum.late=merge): it counted; go on
                     # from the open round's θ like a site whose push was dropped.
-                    self.merged_rounds.append(r)
                     self._log(f"site {self.site_id}: round {r} push came late; merged into round {result.merged_into}")
-                    return self._catch_up(r, None, dropped=False)
+                    return MERGED | CATCH_UP, None, None
                 stage = "pull"
                 self._wait_committed(r)
-                assembler = ChunkAssembler(self._specs)
-                for c in self.client.pull_update(self.site_id, r):
+                assembler = self._assembler()
+                for c in self.client.pull_update(self.site_id, r, self._want):
                     assembler.add(c)
-                break
+                return 0, None, assembler
             except RemoteError as e:
                 if e.code in RETRYABLE:
                     self.reconnects += 1
                     backoff.wait(e, self._log, f"site {self.site_id} round {r} {stage}")
                     continue
+                rejoin = REJOIN if e.code == "FAILED_PRECONDITION" else 0
                 if stage == "push" and e.code in ("ABORTED", "FAILED_PRECONDITION"):
-                    return self._catch_up(r, e, dropped=True)
+                    return DROPPED | CATCH_UP | rejoin, e, None
                 if stage == "pull" and e.code in ("FAILED_PRECONDITION", "NOT_FOUND"):
-                    return self._catch_up(r, e, dropped=False)
+                    return CATCH_UP | rejoin, e, None
                 raise
-        apply_update(self.global_params, assembler.finish())
-        self.bytes_down += assembler.payload_bytes
-        self._load_global_into_model()
-        self.round = r + 1
-        digest = params_sha256(self.global_params)
-        self.round_hashes[r] = digest
-        return digest
 
-    def _catch_up(self, r: int, why: RemoteError | None, dropped: bool) -> str:
-        """Loads θ whole, joining again when the coordinator asks for it; ``dropped``: round
-        r's work did not count (else it counted, and only its update is gone, e.g. after a
-        coordinator restart)."""
-        if dropped:
+    def _catch_up(self, r: int, why: RemoteError | None, outcome: int) -> str:
+        """Loads θ whole (this rank's slices of it), the site's leader joining again first when
+        the coordinator asked for it. Round r's work did not count if ``outcome`` has DROPPED
+        (else it counted, and only its update is gone, e.g. after a coordinator restart)."""
+        if outcome & MERGED:
+            self.merged_rounds.append(r)
+        if outcome & DROPPED:
             self.dropped_rounds.append(r)
-        if why is not None and why.code == "FAILED_PRECONDITION":
-            self._log(f"site {self.site_id}: {why.message}; joining again")
+        if why is not None:
+            self._log(f"site {self.site_id}: {why.message}" + ("; joining again" if outcome & REJOIN else ""))
+        if outcome & REJOIN:
             self.rejoins += 1
-            self._call(lambda: self.client.join(self.site_id, self._specs.values()), "join")
-        elif why is not None:
-            self._log(f"site {self.site_id}: {why.message}")
+            if self.layout.leader:
+                self._call(lambda: self.client.join(self.site_id, self._specs.values()), "join")
+            self.layout.barrier()
         self._call(self._pull_global, "pull of θ")
         return params_sha256(self.global_params)
 
@@ -248,7 +284,9 @@ class OuterSync:
     def global_sha256(self) -> str:
         return params_sha256(self.global_params)
 
-    def leave(self) -> None:
+    def leave(self, global_sha256: str | None = None) -> None:
+        """Says goodbye for the site (its leader rank), reporting the hash of its whole θ."""
         self.close()
-        self._call(lambda: self.client.leave(self.site_id, self.global_sha256()), "leave")
+        digest = global_sha256 or self.global_sha256()
+        self._call(lambda: self.client.leave(self.site_id, digest), "leave")
 

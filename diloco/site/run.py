@@ -16,7 +16,9 @@ from diloco.faults import SiteFaults
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.site.checkpoint import SiteCheckpointer
+from diloco.outer import params_sha256
 from diloco.site.inner import InnerTrainer
+from diloco.site.layouts.build import build_layout, close_site_group, init_site_group
 from diloco.site.outer_sync import OuterSync
 from diloco.transport import CoordinatorClient
 
@@ -42,10 +44,18 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     """Trains until the coordinator's last round; writes run_dir/workers/<site_id>.json."""
     torch.set_num_threads(cfg.threads)
     shard = opts.data_shard(cfg.sites)
+    layout_cfg = cfg.layout_of(shard)
+    init_site_group(layout_cfg)  # under torchrun: one process per rank of this site
     corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
+    # Every rank draws the site's whole batch (the same sampler) and trains on its share of it.
     sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
-    model = build_model(cfg.model, cfg.seed)
-    trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_steps)
+    layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed))
+    if layout.world > 1:
+        if opts.faults is not None:
+            raise ValueError(f"faults.events: fault injection supports one-rank sites only; site {opts.site_id} has layout {layout_cfg.name}")
+        inner_log = log
+        log = (lambda msg: inner_log(msg)) if layout.leader else (lambda _msg: None)
+    trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps)
     start = time.monotonic()
     tokens = 0
     faults = opts.faults
@@ -58,7 +68,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as real_client:
         client = faults.wrap(real_client) if faults else real_client
         sync = OuterSync(
-            model, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay,
+            layout, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay,
             chunk_bytes=cfg.chunk_bytes, log=log, before_push=faults.before_push if faults else None,
         )  # fmt: skip
         info = sync.join()
@@ -66,7 +76,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         # data where the run is; its inner optimizer state starts fresh.
         trainer.steps_done = sync.round * cfg.sync_every
         log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation})")
-        checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, trainer, sampler, log) if opts.checkpoint_dir else None
+        # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
+        checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, trainer, sampler, log) if opts.checkpoint_dir and layout.world == 1 else None
         restored = checkpointer.restore(round=sync.round, global_sha256=sync.global_sha256(), set_residual=sync.set_residual) if checkpointer else None
         if restored is None:
             log(f"site {opts.site_id}: no checkpoint of this run; the inner optimizer state starts fresh")
@@ -81,40 +92,54 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 phase_start = time.monotonic()
                 for step in range(cfg.sync_every):
                     t0 = time.monotonic()
-                    losses.append(trainer.step(*sampler.next_batch()))
+                    losses.append(trainer.step(*layout.batch(*sampler.next_batch())))
                     trained += sampler.tokens_per_batch
-                    write_json_atomic(progress, {"tokens": trained}, fsync=False)
+                    if layout.leader:
+                        write_json_atomic(progress, {"tokens": trained}, fsync=False)
                     if faults:
                         faults.after_step(sync.round, step, cfg.sync_every, time.monotonic() - t0)
                     if cfg.inner_budget_s is not None and time.monotonic() - phase_start >= cfg.inner_budget_s:
                         break  # dynamic local steps: a slow site sends fewer steps, weighted by its tokens
                 round_tokens = len(losses) * sampler.tokens_per_batch
                 steps_per_round[sync.round] = len(losses)
-                digest = sync.sync(tokens=round_tokens, train_loss=sum(losses) / len(losses), inner_steps=len(losses))
+                digest = sync.sync(tokens=round_tokens, train_loss=layout.mean(sum(losses) / len(losses)), inner_steps=len(losses))
                 tokens += round_tokens
                 # After a dropped round the site continues at the open round's place in the schedule.
                 trainer.steps_done = sync.round * cfg.sync_every
                 if checkpointer and not sync.finished:
                     checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=tokens)
                 log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
-            sync.leave()
+            # The hash of the whole θ: of this rank's copy, or (sharded sites) of the whole
+            # tensors gathered from the ranks once, at the end, only to verify it.
+            site_hash = sync.global_sha256() if layout.world == 1 else params_sha256(layout.full_state())
+            layout.barrier()
+            if layout.leader:
+                sync.leave(site_hash)
         finally:
             sync.close()
+    per_rank = layout.gather_objects({"bytes_up": sync.bytes_up, "bytes_down": sync.bytes_down})
+    close_site_group()
+    if not layout.leader:
+        return {}
     result = {
         "site_id": opts.site_id,
         "shard": shard,
         "rounds": len(sync.round_hashes),
         "tokens": tokens,
         "inner_steps": trainer.steps_done,
-        "bytes_up": sync.bytes_up,
-        "bytes_down": sync.bytes_down,
+        "layout": layout_cfg.name,
+        "ranks": layout.world,
+        "bytes_up": sum(r["bytes_up"] for r in per_rank),
+        "bytes_down": sum(r["bytes_down"] for r in per_rank),
+        "bytes_up_per_rank": [r["bytes_up"] for r in per_rank],
+        "bytes_down_per_rank": [r["bytes_down"] for r in per_rank],
         "dropped_rounds": sync.dropped_rounds,
         "merged_rounds": sync.merged_rounds,
         "steps_per_round": {str(r): n for r, n in sorted(steps_per_round.items())},
         "rejoins": sync.rejoins,
         "reconnects": sync.reconnects,
         "incarnation": opts.incarnation,
-        "global_sha256": sync.global_sha256(),
+        "global_sha256": site_hash,
         "round_sha256": {str(r): h for r, h in sorted(sync.round_hashes.items())},
         "wall_s": round(time.monotonic() - start, 3),
         "peak_rss_mb": peak_rss_mb(),

@@ -1,0 +1,108 @@
+"""What a layout gives the rest of a site: the model to train, this rank's share of each
+batch, and the parameter slices this rank keeps in sync with the coordinator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.boxes import Box
+from diloco.coordinator.fingerprint import fingerprint
+from diloco.types import TensorSpec
+
+
+@dataclass(frozen=True)
+class Held:
+    """One slice of one parameter that this rank keeps in sync."""
+
+    tensor: torch.Tensor  # the live local values (a view of the parameter's storage)
+    box: Box  # where they lie in the whole tensor
+    push: bool  # this rank sends their Δ (False: another rank holding the same slice sends it)
+
+
+class ParallelModel:
+    """A model laid out over the ranks of one site. This base class is the one-rank case."""
+
+    name = "single"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = model  # the model as built (every rank builds the same one)
+        self.model: nn.Module = model  # what the inner trainer runs (maybe a wrapper)
+        self.specs: dict[str, TensorSpec] = fingerprint(dict(model.named_parameters()))
+        self.rank = 0
+        self.world = 1
+
+    @property
+    def leader(self) -> bool:
+        """The rank that joins, heartbeats and leaves for the site."""
+        return self.rank == 0
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the site's batch."""
+        return x, y
+
+    def held(self) -> dict[str, Held]:
+        """The slices this rank syncs (every one of them it pulls; those with ``push`` it pushes)."""
+        return {n: Held(p.data, Box.whole(p.shape), True) for n, p in self.module.named_parameters()}
+
+    def after_pull(self) -> None:
+        """Called by every rank once the pulled slices are in place (DDP: owners broadcast)."""
+
+    def agree(self, flags: int) -> int:
+        """The union (bitwise or) of ``flags`` over the site's ranks (every rank must call it)."""
+        return flags
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the site's ranks (every rank must call it)."""
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (every rank must call it)."""
+        return [obj]
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Whole parameters, gathered if need be: for verifying hashes at the end of a run,
+        never on the sync path (every rank must call it)."""
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+
+_FLAG_BITS = 16
+
+
+class DistributedModel(ParallelModel):
+    """A layout over the ranks of a torch.distributed process group (the site's torchrun)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[0] % self.world:
+            raise ValueError(f"layout {self.name}: data.batch_size={x.shape[0]} must be a multiple of its {self.world} ranks")
+        return x.chunk(self.world)[self.rank], y.chunk(self.world)[self.rank]
+
+    def agree(self, flags: int) -> int:
+        bits = torch.tensor([(flags >> i) & 1 for i in range(_FLAG_BITS)], dtype=torch.int64)
+        dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+        return sum(int(b) << i for i, b in enumerate(bits.tolist()))
+
+    def mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out

@@ -1,0 +1,54 @@
+"""Starts a site's process group (under torchrun) and builds its layout."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.site.layouts.base import ParallelModel
+from diloco.site.layouts.config import LayoutConfig
+
+
+def launched_ranks() -> int:
+    """The number of processes torchrun started for this site (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_site_group(layout: LayoutConfig) -> None:
+    """Joins the site's process group (gloo on CPU, nccl on GPU), after checking that torchrun
+    started as many ranks as the layout needs."""
+    launched = launched_ranks()
+    if launched != layout.ranks:
+        raise ValueError(
+            f"layout {layout.name} needs {layout.ranks} rank(s); this site was launched with {launched} "
+            f"(start it with torchrun --nproc-per-node={layout.ranks})"
+        )
+    if layout.ranks > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def close_site_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
+    """``model`` laid out as ``layout`` says; every rank passes the same freshly built model."""
+    if layout.activation_checkpointing:
+        from diloco.site.layouts.checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(model)
+    if layout.name == "single":
+        return ParallelModel(model)
+    if layout.name == "ddp2":
+        from diloco.site.layouts.ddp import DDPModel
+
+        return DDPModel(model)
+    if layout.name == "fsdp2":
+        from diloco.site.layouts.fsdp import FSDPModel
+
+        return FSDPModel(model)
+    raise ValueError(f"layout={layout.name!r}: not built")

@@ -1,0 +1,45 @@
+"""Which layout a site runs (config group ``layout=NAME``; ``site_layouts`` per site).
+Plain data: importing this does not import torch.distributed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+# name -> ranks (torchrun --nproc-per-node) the layout needs
+LAYOUT_RANKS = {"single": 1, "ddp2": 2, "fsdp2": 2}
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    name: str = "single"
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUT_RANKS:
+            raise ValueError(f"layout={self.name!r}: unknown; known layouts: {', '.join(LAYOUT_RANKS)}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r}: must be true or false")
+
+    @property
+    def ranks(self) -> int:
+        return LAYOUT_RANKS[self.name]
+
+    def named(self, name: str) -> LayoutConfig:
+        return replace(self, name=name)
+
+
+def layout_config(value: LayoutConfig | str | Mapping[str, Any] | None) -> LayoutConfig:
+    if value is None:
+        return LayoutConfig()
+    if isinstance(value, LayoutConfig):
+        return value
+    if isinstance(value, str):
+        return LayoutConfig(name=value)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"name", "activation_checkpointing"})
+        if unknown:
+            raise ValueError(f"unknown layout key(s) {', '.join(unknown)}; known: activation_checkpointing, name")
+        return LayoutConfig(**dict(value))
+    raise ValueError(f"layout={value!r}: must be a layout name or a mapping")

@@ -1,0 +1,88 @@
+"""Inner layouts through the real simulation: every site a torchrun group (gloo on CPU), each
+rank pushing and pulling its own slices over real gRPC.
+
+* Per layout, one round of 2 sites gives the same θ as the single layout on the same data
+  (to 1e-5 of the update's norm: only the order of float reductions differs).
+* The coordinator's record of what each part of a sharded push held: FSDP2 ranks send only
+  slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors.
+* Sites with different layouts in one run end bit-identical to the coordinator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_sim_e2e import Run, processes_of, run_ok
+
+from diloco import checkpoint as ck
+from diloco.model import build_model, count_params, model_config
+from diloco.site.layouts.build import init_site_group
+from diloco.site.layouts.config import LayoutConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = ["sites=2", "sync_every=3", "rounds=1", "data.batch_size=4", "eval_every=100"]
+PARAMS = count_params(build_model(model_config("tiny"), 0))
+TENSORS = len(list(build_model(model_config("tiny"), 0).parameters()))
+
+
+def _theta(run: Run) -> dict[str, torch.Tensor]:
+    loaded = ck.load_latest(run.run_dir / "checkpoints" / "coordinator")
+    assert loaded is not None
+    return loaded.state["outer"]["params"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_ok(tmp_path_factory.mktemp("single") / "run", *BASE, "layout=single")
+
+
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2"])
+def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path: Path) -> None:
+    run = run_ok(tmp_path / "run", *BASE, f"layout={layout}", timeout=240)
+    assert run.summary["hashes_equal"]
+    assert not processes_of(run.run_dir), "a rank outlived the run"
+    a, b = _theta(single), _theta(run)
+    start = {n: p.detach() for n, p in build_model(model_config("tiny"), 0).named_parameters()}
+    diff = sum(float(((a[n] - b[n]) ** 2).sum()) for n in a) ** 0.5
+    update = sum(float(((a[n] - start[n]) ** 2).sum()) for n in a) ** 0.5
+    assert diff <= 1e-5 * update, (diff, update)
+    parts = [run.metrics[0]["sliced"][s] for s in ("0", "1")]
+    for site in parts:
+        assert [p["part"] for p in site] == [0, 1]
+        assert sum(p["numel"] for p in site) == PARAMS  # every element sent once
+        if layout == "fsdp2":
+            # every parameter is sharded on its rows: no rank sends a whole tensor
+            assert all(p["whole"] == 0 and p["sliced"] == TENSORS for p in site), site
+            assert all(abs(p["numel"] - PARAMS / 2) < 0.05 * PARAMS for p in site), site
+        else:
+            assert all(p["sliced"] == 0 for p in site) and sum(p["whole"] for p in site) == TENSORS, site
+    workers = run.workers()
+    assert all(w["layout"] == layout and w["ranks"] == 2 and len(w["bytes_up_per_rank"]) == 2 for w in workers.values())
+
+
+def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
+    overrides = ["sites=3", "sync_every=2", "rounds=2", "data.batch_size=4", "eval_every=100", "site_layouts=[fsdp2,ddp2,single]"]
+    run = run_ok(tmp_path / "run", *overrides, timeout=240)
+    summary = run.summary
+    assert summary["hashes_equal"] and len(summary["site_global_sha256"]) == 3
+    assert [m["round"] for m in run.metrics] == [0, 1]
+    for m in run.metrics:
+        assert m["participants"] == ["0", "1", "2"] and sorted(m["sliced"]) == ["0", "1"]
+    layouts = {s: w["layout"] for s, w in run.workers().items()}
+    assert layouts == {"0": "fsdp2", "1": "ddp2", "2": "single"}
+    # a rank pulls only its own rows (fp32 payloads are cut to them): about half of θ each
+    fsdp = run.workers()["0"]["bytes_down_per_rank"]
+    assert all(b < 0.6 * run.workers()["2"]["bytes_down"] for b in fsdp), fsdp
+
+
+def test_a_layout_needs_its_ranks() -> None:
+    with pytest.raises(ValueError, match=r"layout fsdp2 needs 2 rank\(s\); this site was launched with 1 \(start it with torchrun --nproc-per-node=2\)"):
+        init_site_group(LayoutConfig(name="fsdp2"))
+
+
+def test_unknown_layouts_are_named() -> None:
+    with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2"):
+        LayoutConfig(name="tp9")
