@@ -165,28 +165,33 @@ class _Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        # Separate q, k and v projections (not one fused matrix), so that tensor parallelism
+        # can give each rank whole heads by splitting every one of them by rows.
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism a rank holds only some of the heads.
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         q = _apply_rope(q, cos, sin)
         k = _apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class _SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        # Gate and up projections fused into one matmul.
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.mlp_hidden, bias=False)
+        # Separate gate and up projections, so that tensor parallelism can split both by rows.
+        self.gate = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
         self.down = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class _Block(nn.Module):

@@ -1,7 +1,7 @@
 """Inner layouts through the real simulation: every site a torchrun group (gloo on CPU), each
 rank pushing and pulling its own slices over real gRPC.
 
-* Per layout, one round of 2 sites gives the same θ as the single layout on the same data
+* Per layout (ddp2, fsdp2, tp2, pp2), one round of 2 sites gives the same θ as the single layout on the same data
   (to 1e-5 of the update's norm: only the order of float reductions differs).
 * The coordinator's record of what each part of a sharded push held: FSDP2 ranks send only
   slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors.
@@ -39,7 +39,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(tmp_path_factory.mktemp("single") / "run", *BASE, "layout=single")
 
 
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2"])
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "tp2", "pp2"])
 def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path: Path) -> None:
     run = run_ok(tmp_path / "run", *BASE, f"layout={layout}", timeout=240)
     assert run.summary["hashes_equal"]
@@ -57,25 +57,30 @@ def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path:
             # every parameter is sharded on its rows: no rank sends a whole tensor
             assert all(p["whole"] == 0 and p["sliced"] == TENSORS for p in site), site
             assert all(abs(p["numel"] - PARAMS / 2) < 0.05 * PARAMS for p in site), site
-        else:
-            assert all(p["sliced"] == 0 for p in site) and sum(p["whole"] for p in site) == TENSORS, site
+        elif layout == "tp2":
+            # 7 matrices per block are split (rows or columns); the embedding and the 7 norms
+            # are whole on both ranks and sent once, by rank 0
+            split = 7 * model_config("tiny").n_layers
+            assert [(p["whole"], p["sliced"]) for p in site] == [(TENSORS - split, split), (0, split)], site
+        else:  # ddp2 splits the tensors between its replicas, pp2 by stage (the tied embedding: stage 0)
+            assert all(p["sliced"] == 0 and p["whole"] > 0 for p in site) and sum(p["whole"] for p in site) == TENSORS, site
     workers = run.workers()
     assert all(w["layout"] == layout and w["ranks"] == 2 and len(w["bytes_up_per_rank"]) == 2 for w in workers.values())
 
 
 def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
-    overrides = ["sites=3", "sync_every=2", "rounds=2", "data.batch_size=4", "eval_every=100", "site_layouts=[fsdp2,ddp2,single]"]
+    overrides = ["sites=4", "sync_every=2", "rounds=2", "data.batch_size=4", "eval_every=100", "site_layouts=[tp2,fsdp2,pp2,single]"]
     run = run_ok(tmp_path / "run", *overrides, timeout=240)
     summary = run.summary
-    assert summary["hashes_equal"] and len(summary["site_global_sha256"]) == 3
+    assert summary["hashes_equal"] and len(summary["site_global_sha256"]) == 4
     assert [m["round"] for m in run.metrics] == [0, 1]
     for m in run.metrics:
-        assert m["participants"] == ["0", "1", "2"] and sorted(m["sliced"]) == ["0", "1"]
-    layouts = {s: w["layout"] for s, w in run.workers().items()}
-    assert layouts == {"0": "fsdp2", "1": "ddp2", "2": "single"}
+        assert m["participants"] == ["0", "1", "2", "3"] and sorted(m["sliced"]) == ["0", "1", "2"]
+    workers = run.workers()
+    assert {s: w["layout"] for s, w in workers.items()} == {"0": "tp2", "1": "fsdp2", "2": "pp2", "3": "single"}
     # a rank pulls only its own rows (fp32 payloads are cut to them): about half of θ each
-    fsdp = run.workers()["0"]["bytes_down_per_rank"]
-    assert all(b < 0.6 * run.workers()["2"]["bytes_down"] for b in fsdp), fsdp
+    fsdp = workers["1"]["bytes_down_per_rank"]
+    assert all(b < 0.6 * workers["3"]["bytes_down"] for b in fsdp), fsdp
 
 
 def test_a_layout_needs_its_ranks() -> None:
@@ -84,5 +89,5 @@ def test_a_layout_needs_its_ranks() -> None:
 
 
 def test_unknown_layouts_are_named() -> None:
-    with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2"):
+    with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2, tp2, pp2"):
         LayoutConfig(name="tp9")

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from diloco.cli.common import fail, run_config, run_dir, section
 from diloco.config import ConfigError
 from diloco.data import DataError
+from diloco.site.layouts.build import exit_rank
 from diloco.site.run import SiteOptions, run_site
 from diloco.transport import RemoteError
 
@@ -22,6 +23,7 @@ def _main(cfg: DictConfig) -> None:
         )
         opts.data_shard(rc.sites)
         run_site(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
+        exit_rank()
     except DataError as e:
         fail(f"bad data: {e}")
     except (ConfigError, ValueError) as e:

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan else None
         opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, faults=faults, incarnation=args.incarnation, checkpoint_dir=args.checkpoint_dir)
         run_site(cfg, opts, args.run_dir, log=log)
+        from diloco.site.layouts.build import exit_rank
+
+        exit_rank()
     else:
         from diloco.baseline.data_parallel import run_data_parallel
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from diloco.model import lm_loss
 
@@ -49,7 +51,31 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Ada
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    # The fused multi-tensor (foreach) kernels refuse a mix of plain tensors and DTensors
+    # (tensor parallelism leaves norms and embeddings plain).
+    foreach = None if not _mixes_dtensors(params) else False
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=foreach)
+
+
+def _mixes_dtensors(params: list[torch.Tensor]) -> bool:
+    return len({isinstance(p, DTensor) for p in params}) > 1
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, also for a mix of plain tensors and DTensors: the norm over
+    the whole (unsharded) gradients, every parameter counted once."""
+    if not _mixes_dtensors(params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = []
+    for g in grads:
+        n = g.norm()
+        squares.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.item())
+    return total
 
 
 class InnerTrainer:
@@ -58,8 +84,11 @@ class InnerTrainer:
     ``total_steps`` is the length of the whole run (rounds × H) for the lr schedule.
     """
 
-    def __init__(self, model: nn.Module, cfg: InnerConfig, total_steps: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: InnerConfig, total_steps: int, optimizer: torch.optim.Optimizer | None = None, layout: Any = None
+    ) -> None:
         self.model = model
+        self.layout = layout  # a site layout (diloco.site.layouts): its own forward/backward and clipping
         self.cfg = cfg
         self.total_steps = total_steps
         self.optimizer = optimizer if optimizer is not None else build_inner_optimizer(model, cfg)
@@ -70,15 +99,25 @@ class InnerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * lr_factor(self.steps_done, self.total_steps, self.cfg)
         self.model.train()
+        run = self.layout.forward_backward if self.layout is not None else None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            loss = lm_loss(self.model(x), y)
-        loss.backward()
+            if run is not None:
+                value = run(x, y)
+            else:
+                loss = lm_loss(self.model(x), y)
+        if run is None:
+            loss.backward()
+            value = float(loss.detach())
         if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            params = list(self.model.parameters())
+            if self.layout is not None:
+                self.layout.clip_grad_norm(params, self.cfg.grad_clip)
+            else:
+                clip_grad_norm(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return float(loss.detach())
+        return value
 
 
 @torch.no_grad()

@@ -55,7 +55,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
             raise ValueError(f"faults.events: fault injection supports one-rank sites only; site {opts.site_id} has layout {layout_cfg.name}")
         inner_log = log
         log = (lambda msg: inner_log(msg)) if layout.leader else (lambda _msg: None)
-    trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps)
+    trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps, layout=layout)
     start = time.monotonic()
     tokens = 0
     faults = opts.faults

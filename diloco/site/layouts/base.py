@@ -3,6 +3,7 @@ batch, and the parameter slices this rank keeps in sync with the coordinator."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from diloco.boxes import Box
 from diloco.coordinator.fingerprint import fingerprint
+from diloco.site.inner import clip_grad_norm
 from diloco.types import TensorSpec
 
 
@@ -28,6 +30,9 @@ class ParallelModel:
     """A model laid out over the ranks of one site. This base class is the one-rank case."""
 
     name = "single"
+    # A layout that runs forward and backward its own way (a pipeline schedule) sets this to
+    # a function (x, y) -> loss in nats per token; None: the trainer runs the model.
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], float] | None = None
 
     def __init__(self, model: nn.Module) -> None:
         self.module = model  # the model as built (every rank builds the same one)
@@ -44,6 +49,10 @@ class ParallelModel:
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the site's batch."""
         return x, y
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
+        """Scales the gradients so that the norm of the whole model's gradient is at most max_norm."""
+        clip_grad_norm(params, max_norm)
 
     def held(self) -> dict[str, Held]:
         """The slices this rank syncs (every one of them it pulls; those with ``push`` it pushes)."""

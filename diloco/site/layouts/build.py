@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,18 @@ def init_site_group(layout: LayoutConfig) -> None:
 
 def close_site_group() -> None:
     if dist.is_initialized():
+        dist.barrier()  # every rank is past its last collective
         dist.destroy_process_group()
+
+
+def exit_rank() -> None:
+    """Ends a torchrun-launched rank once its work is done and written: flushes and exits at
+    once, skipping interpreter teardown, where the destructors of gloo's and grpc's threads
+    have aborted (SIGABRT, "terminate called without an active exception") now and then."""
+    if launched_ranks() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
@@ -51,4 +63,12 @@ def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
         from diloco.site.layouts.fsdp import FSDPModel
 
         return FSDPModel(model)
+    if layout.name == "tp2":
+        from diloco.site.layouts.tensor_parallel import TensorParallelModel
+
+        return TensorParallelModel(model)
+    if layout.name == "pp2":
+        from diloco.site.layouts.pipeline import PipelineModel
+
+        return PipelineModel(model, microbatches=layout.microbatches)
     raise ValueError(f"layout={layout.name!r}: not built")

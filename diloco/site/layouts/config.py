@@ -8,17 +8,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 # name -> ranks (torchrun --nproc-per-node) the layout needs
-LAYOUT_RANKS = {"single": 1, "ddp2": 2, "fsdp2": 2}
+LAYOUT_RANKS = {"single": 1, "ddp2": 2, "fsdp2": 2, "tp2": 2, "pp2": 2}
 
 
 @dataclass(frozen=True)
 class LayoutConfig:
     name: str = "single"
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    microbatches: int = 2  # pipeline layouts: microbatches per step (data.batch_size must be a multiple)
 
     def __post_init__(self) -> None:
         if self.name not in LAYOUT_RANKS:
             raise ValueError(f"layout={self.name!r}: unknown; known layouts: {', '.join(LAYOUT_RANKS)}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"layout.microbatches={self.microbatches!r}: must be an integer >= 1")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"layout.activation_checkpointing={self.activation_checkpointing!r}: must be true or false")
 
@@ -38,8 +41,8 @@ def layout_config(value: LayoutConfig | str | Mapping[str, Any] | None) -> Layou
     if isinstance(value, str):
         return LayoutConfig(name=value)
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"name", "activation_checkpointing"})
+        unknown = sorted(set(value) - {"name", "activation_checkpointing", "microbatches"})
         if unknown:
-            raise ValueError(f"unknown layout key(s) {', '.join(unknown)}; known: activation_checkpointing, name")
+            raise ValueError(f"unknown layout key(s) {', '.join(unknown)}; known: activation_checkpointing, microbatches, name")
         return LayoutConfig(**dict(value))
     raise ValueError(f"layout={value!r}: must be a layout name or a mapping")

@@ -3,6 +3,8 @@ dimension 0; each rank pushes and pulls the rows it holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,8 +22,9 @@ def dtensor_box(p: DTensor) -> Box:
     return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
 
 
-def dtensor_held(module: nn.Module, pusher: "callable | None" = None) -> dict[str, Held]:
-    """Every non-empty local part of the module's DTensor parameters (plain tensors: whole)."""
+def dtensor_held(module: nn.Module, pusher: Callable[[str, torch.Tensor], bool] | None = None) -> dict[str, Held]:
+    """Every non-empty local part of the module's DTensor parameters (plain tensors: whole);
+    ``pusher(name, param)`` says whether this rank pushes it (default: every rank)."""
     out = {}
     for n, p in module.named_parameters():
         if isinstance(p, DTensor):
