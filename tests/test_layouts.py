@@ -1,7 +1,7 @@
 """Inner layouts through the real simulation: every site a torchrun group (gloo on CPU), each
 rank pushing and pulling its own slices over real gRPC.
 
-* Per layout (ddp2, fsdp2, tp2, pp2), one round of 2 sites gives the same θ as the single layout on the same data
+* Per layout (ddp2, fsdp2, tp2, pp2, tp2_fsdp2), one round of 2 sites gives the same θ as the single layout on the same data
   (to 1e-5 of the update's norm: only the order of float reductions differs).
 * The coordinator's record of what each part of a sharded push held: FSDP2 ranks send only
   slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors.
@@ -39,7 +39,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(tmp_path_factory.mktemp("single") / "run", *BASE, "layout=single")
 
 
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "tp2", "pp2", "tp2_fsdp2"])
 def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path: Path) -> None:
     run = run_ok(tmp_path / "run", *BASE, f"layout={layout}", timeout=240)
     assert run.summary["hashes_equal"]
@@ -50,13 +50,20 @@ def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path:
     update = sum(float(((a[n] - start[n]) ** 2).sum()) for n in a) ** 0.5
     assert diff <= 1e-5 * update, (diff, update)
     parts = [run.metrics[0]["sliced"][s] for s in ("0", "1")]
+    ranks = 4 if layout == "tp2_fsdp2" else 2
     for site in parts:
-        assert [p["part"] for p in site] == [0, 1]
+        assert [p["part"] for p in site] == list(range(ranks))
         assert sum(p["numel"] for p in site) == PARAMS  # every element sent once
         if layout == "fsdp2":
             # every parameter is sharded on its rows: no rank sends a whole tensor
             assert all(p["whole"] == 0 and p["sliced"] == TENSORS for p in site), site
             assert all(abs(p["numel"] - PARAMS / 2) < 0.05 * PARAMS for p in site), site
+        elif layout == "tp2_fsdp2":
+            # every tensor is split (FSDP over the pairs); what both ranks of a pair hold alike
+            # (norms, embedding: split only by FSDP) is sent by the pair's tp rank 0
+            split = 7 * model_config("tiny").n_layers
+            assert [p["whole"] for p in site] == [0, 0, 0, 0], site
+            assert [p["sliced"] for p in site] == [TENSORS, split, TENSORS, split], site
         elif layout == "tp2":
             # 7 matrices per block are split (rows or columns); the embedding and the 7 norms
             # are whole on both ranks and sent once, by rank 0
@@ -65,7 +72,7 @@ def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path:
         else:  # ddp2 splits the tensors between its replicas, pp2 by stage (the tied embedding: stage 0)
             assert all(p["sliced"] == 0 and p["whole"] > 0 for p in site) and sum(p["whole"] for p in site) == TENSORS, site
     workers = run.workers()
-    assert all(w["layout"] == layout and w["ranks"] == 2 and len(w["bytes_up_per_rank"]) == 2 for w in workers.values())
+    assert all(w["layout"] == layout and w["ranks"] == ranks and len(w["bytes_up_per_rank"]) == ranks for w in workers.values())
 
 
 def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
@@ -89,5 +96,5 @@ def test_a_layout_needs_its_ranks() -> None:
 
 
 def test_unknown_layouts_are_named() -> None:
-    with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2, tp2, pp2"):
+    with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2, tp2, pp2, tp2_fsdp2"):
         LayoutConfig(name="tp9")

@@ -52,18 +52,19 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Ada
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused multi-tensor (foreach) kernels refuse a mix of plain tensors and DTensors
-    # (tensor parallelism leaves norms and embeddings plain).
+    # (tensor parallelism leaves norms and embeddings plain), or DTensors on different meshes.
     foreach = None if not _mixes_dtensors(params) else False
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=foreach)
 
 
 def _mixes_dtensors(params: list[torch.Tensor]) -> bool:
-    return len({isinstance(p, DTensor) for p in params}) > 1
+    """Plain tensors and DTensors together, or DTensors on more than one device mesh."""
+    return len({id(p.device_mesh) if isinstance(p, DTensor) else None for p in params}) > 1
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_, also for a mix of plain tensors and DTensors: the norm over
-    the whole (unsharded) gradients, every parameter counted once."""
+    """torch's clip_grad_norm_, also for a mix of plain tensors and DTensors (on any meshes):
+    the norm over the whole (unsharded) gradients, every parameter counted once."""
     if not _mixes_dtensors(params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [p.grad for p in params if p.grad is not None]

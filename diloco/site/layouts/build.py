@@ -67,6 +67,10 @@ def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
         from diloco.site.layouts.tensor_parallel import TensorParallelModel
 
         return TensorParallelModel(model)
+    if layout.name == "tp2_fsdp2":
+        from diloco.site.layouts.tensor_parallel import TensorFSDPModel
+
+        return TensorFSDPModel(model)
     if layout.name == "pp2":
         from diloco.site.layouts.pipeline import PipelineModel
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 # name -> ranks (torchrun --nproc-per-node) the layout needs
-LAYOUT_RANKS = {"single": 1, "ddp2": 2, "fsdp2": 2, "tp2": 2, "pp2": 2}
+LAYOUT_RANKS = {"single": 1, "ddp2": 2, "fsdp2": 2, "tp2": 2, "pp2": 2, "tp2_fsdp2": 4}
 
 
 @dataclass(frozen=True)

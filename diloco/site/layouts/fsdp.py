@@ -51,4 +51,9 @@ class FSDPModel(DistributedModel):
         return dtensor_held(self.module)
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach() for n, p in self.module.named_parameters()}
+        return full_dtensor_state(self.module)
+
+
+def full_dtensor_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole parameters, DTensors gathered (every rank must call it)."""
+    return {n: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach() for n, p in module.named_parameters()}

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from diloco.site.layouts.base import DistributedModel, Held
-from diloco.site.layouts.fsdp import dtensor_held
+from diloco.site.layouts.fsdp import dtensor_held, full_dtensor_state
 
 BLOCK_PLAN = {
     "attn.q": ColwiseParallel(),
@@ -37,12 +38,17 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(block, mesh, BLOCK_PLAN)
 
 
-def first_holder(p: torch.Tensor, rank: int) -> bool:
-    """Whether this rank pushes ``p``'s local part: a plain tensor (whole on every rank) from
-    rank 0; a DTensor from the ranks at coordinate 0 of each mesh dimension it is replicated on."""
-    if not isinstance(p, DTensor):
-        return rank == 0
-    return all(p.device_mesh.get_local_rank(i) == 0 for i, pl in enumerate(p.placements) if isinstance(pl, Replicate))
+def first_holder(p: torch.Tensor, site_mesh: DeviceMesh) -> bool:
+    """Whether this rank pushes ``p``'s local part, so that each is pushed once: this rank
+    must be at coordinate 0 of every dimension of the site's mesh along which ``p`` is not
+    split (a plain tensor: every dimension; a DTensor: those it is replicated on, and those
+    its own mesh does not have)."""
+    split: set[str] = set()
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or ()
+        split = {names[i] for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate) and i < len(names)}
+    names = site_mesh.mesh_dim_names or tuple(str(i) for i in range(site_mesh.ndim))
+    return all(site_mesh.get_local_rank(i) == 0 for i, name in enumerate(names) if name not in split)
 
 
 class TensorParallelModel(DistributedModel):
@@ -50,14 +56,46 @@ class TensorParallelModel(DistributedModel):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,))
-        tensor_parallel(model, mesh)
+        self.mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,), mesh_dim_names=("tp",))
+        tensor_parallel(model, self.mesh)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, y  # every rank computes on the whole batch (its part of each layer)
 
     def held(self) -> dict[str, Held]:
-        return dtensor_held(self.module, lambda _name, p: first_holder(p, self.rank))
+        return dtensor_held(self.module, lambda _name, p: first_holder(p, self.mesh))
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach() for n, p in self.module.named_parameters()}
+        return full_dtensor_state(self.module)
+
+
+class TensorFSDPModel(DistributedModel):
+    """A 2-D mesh (dp × tp) over 4 ranks: tensor parallel inside each pair of ranks, FSDP2
+    across the pairs (each tp rank's part is sharded once more, by rows). Each rank syncs the
+    box it holds; what both tp ranks of a dp row hold alike (norms, embedding) tp rank 0 pushes."""
+
+    name = "tp_fsdp"
+
+    def __init__(self, model: nn.Module, tp: int = 2) -> None:
+        super().__init__(model)
+        if self.world % tp:
+            raise ValueError(f"layout tp2_fsdp2: {self.world} ranks do not split into tensor-parallel groups of {tp}")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.mesh = init_device_mesh(device, (self.world // tp, tp), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, self.mesh["tp"])
+        for block in model.blocks:
+            fully_shard(block, mesh=self.mesh["dp"])
+        fully_shard(model, mesh=self.mesh["dp"])
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dp, n = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+        if x.shape[0] % n:
+            raise ValueError(f"layout tp2_fsdp2: data.batch_size={x.shape[0]} must be a multiple of its {n} data-parallel groups")
+        return x.chunk(n)[dp], y.chunk(n)[dp]  # the tp ranks of a dp group share its part
+
+    def held(self) -> dict[str, Held]:
+        return dtensor_held(self.module, lambda _name, p: first_holder(p, self.mesh))
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return full_dtensor_state(self.module)
+
