@@ -109,6 +109,10 @@ class OuterSync:
         self.rejoins = 0  # times this site had to join again (evicted, or the coordinator forgot it)
         self.dropped_rounds: list[int] = []  # rounds committed without this site's push
         self.merged_rounds: list[int] = []  # rounds whose late push was merged into a later round
+        # Seconds per applied round: computing Δ, encoding it, pushing, waiting for the round to
+        # close, pulling (and decoding) the update, applying it and loading it into the model.
+        self.timings: list[dict[str, float]] = []
+        self._times: dict[str, float] = {}
         self._heartbeat: Heartbeat | None = None
 
     @property
@@ -171,11 +175,13 @@ class OuterSync:
         push their own slices as one part of the site's push, and agree on the outcome.
         """
         r = self.round
+        t0 = time.perf_counter()
         held = self.layout.held()
         pushed = {n: h for n, h in held.items() if h.push}
         delta = pseudo_gradient({n: self.global_params[n] for n in pushed}, {n: h.tensor for n, h in pushed.items()})
         if self._residual is not None:
             delta = with_residual(delta, self._residual, self.error_feedback_decay)
+        t1 = time.perf_counter()
         boxes = {n: (h.box, self._specs[n].shape) for n, h in pushed.items()}
         chunks = list(encode_chunks(delta, codec=self.codec, round=r, chunk_bytes=self.chunk_bytes, boxes=boxes))
         residual = None
@@ -189,6 +195,8 @@ class OuterSync:
         header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps, part=self.layout.rank, parts=parts)
         if self.before_push is not None:
             self.before_push(r)
+        t2 = time.perf_counter()
+        self._times = {"round": r, "delta_s": t1 - t0, "encode_s": t2 - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
         outcome, why, update = self._exchange(r, header, chunks)
         outcome = self.layout.agree(outcome)  # every rank of the site goes the same way
         if not outcome & DROPPED:
@@ -196,9 +204,12 @@ class OuterSync:
         if outcome:
             return self._catch_up(r, why, outcome)
         assert update is not None
+        t3 = time.perf_counter()
         apply_update(self.global_params, update.finish())
         self.bytes_down += update.payload_bytes
         self._load_global_into_model()
+        self._times["apply_s"] = time.perf_counter() - t3  # decoding happened as the chunks arrived (pull_s)
+        self.timings.append(self._times)
         self.round = r + 1
         digest = params_sha256(self.global_params)
         if self._want is None:
@@ -216,7 +227,9 @@ class OuterSync:
             # checkpoint has lost the pushes of its open round.
             stage = "push"
             try:
+                t = time.perf_counter()
                 result = self.client.push(header, iter(chunks))
+                self._times["push_s"] += time.perf_counter() - t
                 self.bytes_up += result.payload_bytes
                 if result.merged_into:
                     # Late, but merged into the open round (quorum.late=merge): it counted; go on
@@ -224,10 +237,14 @@ class OuterSync:
                     self._log(f"site {self.site_id}: round {r} push came late; merged into round {result.merged_into}")
                     return MERGED | CATCH_UP, None, None
                 stage = "pull"
+                t = time.perf_counter()
                 self._wait_committed(r)
+                self._times["wait_s"] += time.perf_counter() - t
+                t = time.perf_counter()
                 assembler = self._assembler()
                 for c in self.client.pull_update(self.site_id, r, self._want):
                     assembler.add(c)
+                self._times["pull_s"] += time.perf_counter() - t
                 return 0, None, assembler
             except RemoteError as e:
                 if e.code in RETRYABLE:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ class SiteOptions:
         return shard
 
 
+def _median_times(timings: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in (timings[0] if timings else {}) if k != "round"]
+    return {k: round(statistics.median(t[k] for t in timings), 5) for k in keys}
+
+
 def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Trains until the coordinator's last round; writes run_dir/workers/<site_id>.json."""
     torch.set_num_threads(cfg.threads)
@@ -64,7 +70,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     # site's count is at most one step behind.
     progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
     trained = 0
-    steps_per_round: dict[int, int] = {}  # inner steps this process ran per round (dynamic local steps)
+    steps_per_round: dict[int, int] = {}
+    step_s: list[float] = []  # wall time of every inner step  # inner steps this process ran per round (dynamic local steps)
     with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as real_client:
         client = faults.wrap(real_client) if faults else real_client
         sync = OuterSync(
@@ -93,6 +100,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 for step in range(cfg.sync_every):
                     t0 = time.monotonic()
                     losses.append(trainer.step(*layout.batch(*sampler.next_batch())))
+                    step_s.append(time.monotonic() - t0)
                     trained += sampler.tokens_per_batch
                     if layout.leader:
                         write_json_atomic(progress, {"tokens": trained}, fsync=False)
@@ -117,7 +125,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 sync.leave(site_hash)
         finally:
             sync.close()
-    per_rank = layout.gather_objects({"bytes_up": sync.bytes_up, "bytes_down": sync.bytes_down})
+    per_rank = layout.gather_objects({"bytes_up": sync.bytes_up, "bytes_down": sync.bytes_down, "sync": _median_times(sync.timings)})
     close_site_group()
     if not layout.leader:
         return {}
@@ -133,6 +141,9 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         "bytes_down": sum(r["bytes_down"] for r in per_rank),
         "bytes_up_per_rank": [r["bytes_up"] for r in per_rank],
         "bytes_down_per_rank": [r["bytes_down"] for r in per_rank],
+        "inner_step_s_median": round(statistics.median(step_s), 5) if step_s else None,
+        # median seconds per round of each part of the outer sync, per rank
+        "sync_s_median_per_rank": [r["sync"] for r in per_rank],
         "dropped_rounds": sync.dropped_rounds,
         "merged_rounds": sync.merged_rounds,
         "steps_per_round": {str(r): n for r, n in sorted(steps_per_round.items())},
