@@ -10,6 +10,8 @@ rank pushing and pulling its own slices over real gRPC.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,9 +41,11 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(tmp_path_factory.mktemp("single") / "run", *BASE, "layout=single")
 
 
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "tp2", "pp2", "tp2_fsdp2"])
+@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "fsdp2+ac", "tp2", "pp2", "tp2_fsdp2"])
 def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path: Path) -> None:
-    run = run_ok(tmp_path / "run", *BASE, f"layout={layout}", timeout=240)
+    extra = ["layout.activation_checkpointing=true"] if layout.endswith("+ac") else []  # recompute in backward
+    layout = layout.removesuffix("+ac")
+    run = run_ok(tmp_path / "run", *BASE, f"layout={layout}", *extra, timeout=240)
     assert run.summary["hashes_equal"]
     assert not processes_of(run.run_dir), "a rank outlived the run"
     a, b = _theta(single), _theta(run)
@@ -90,9 +94,14 @@ def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
     assert all(b < 0.6 * workers["3"]["bytes_down"] for b in fsdp), fsdp
 
 
-def test_a_layout_needs_its_ranks() -> None:
+def test_a_layout_needs_its_ranks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"layout fsdp2 needs 2 rank\(s\); this site was launched with 1 \(start it with torchrun --nproc-per-node=2\)"):
         init_site_group(LayoutConfig(name="fsdp2"))
+    # the console script, started without torchrun, says so before it connects anywhere
+    site = Path(sys.executable).parent / "diloco-site"
+    args = [str(site), "layout=tp2_fsdp2", "site.id=0", "site.coordinator=127.0.0.1:1", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "layout tp2_fsdp2 needs 4 rank(s); this site was launched with 1" in done.stderr, done.stderr
 
 
 def test_unknown_layouts_are_named() -> None:

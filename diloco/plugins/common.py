@@ -1,0 +1,39 @@
+"""What the trainer plug-ins share: the site's settings and joining the run with them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from diloco.api import DiLoCo, check_site_args
+from diloco.codec import CodecConfig
+
+
+class SiteSettings:
+    """The arguments every plug-in takes (see its class docstring), checked when given."""
+
+    def __init__(
+        self,
+        coordinator: str,
+        site_id: str,
+        sync_every: int,
+        codec: CodecConfig | str = "fp32",
+        tokens_per_step: int | None = None,
+        *,
+        connect_timeout_s: float = 120.0,
+    ) -> None:
+        check_site_args(site_id, sync_every, tokens_per_step)
+        self.coordinator = coordinator
+        self.site_id = str(site_id)
+        self.sync_every = sync_every
+        self.codec = codec
+        self.tokens_per_step = tokens_per_step  # None: the plug-in counts the tokens of each step
+        self.connect_timeout_s = connect_timeout_s
+
+    def join(self, model: nn.Module) -> DiLoCo:
+        """Joins the run as this site and loads the global θ into ``model`` (in place)."""
+        site = DiLoCo(
+            model, None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
+            tokens_per_step=self.tokens_per_step or 1, codec=self.codec, connect_timeout_s=self.connect_timeout_s,
+        )  # fmt: skip
+        site.join()  # closes the connection again if it fails
+        return site
