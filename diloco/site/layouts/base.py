@@ -83,6 +83,7 @@ class ParallelModel:
 
 
 _FLAG_BITS = 16
+MESH_DEVICE = "cpu"  # where the model's parameters live: device meshes must be of that type
 
 
 class DistributedModel(ParallelModel):

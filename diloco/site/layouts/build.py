@@ -19,8 +19,9 @@ def launched_ranks() -> int:
 
 
 def init_site_group(layout: LayoutConfig) -> None:
-    """Joins the site's process group (gloo on CPU, nccl on GPU), after checking that torchrun
-    started as many ranks as the layout needs."""
+    """Joins the site's process group, after checking that torchrun started as many ranks as
+    the layout needs. Collectives on CPU tensors go over gloo, on GPU tensors (where there is
+    a GPU) over nccl: torch picks per tensor. (This version trains every site on the CPU.)"""
     launched = launched_ranks()
     if launched != layout.ranks:
         raise ValueError(
@@ -28,7 +29,7 @@ def init_site_group(layout: LayoutConfig) -> None:
             f"(start it with torchrun --nproc-per-node={layout.ranks})"
         )
     if layout.ranks > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
 
 def close_site_group() -> None:
