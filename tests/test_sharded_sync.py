@@ -166,3 +166,20 @@ def test_the_round_record_says_what_each_part_held() -> None:
     assert records[0].sliced == {
         "b": [{"part": 0, "whole": 1, "sliced": 2, "numel": 18 + 2 + 24}, {"part": 1, "whole": 0, "sliced": 2, "numel": 30 + 3}]
     }
+
+
+def test_a_site_that_joins_again_pushes_all_its_parts_again() -> None:
+    # A restarted sharded site (torchrun started again) joins with the same id: a part its
+    # previous incarnation pushed must not be combined with the new incarnation's parts.
+    coord = _coordinator()
+    old, new = _delta(8), _delta(9)
+    coord.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32, round=0))
+    assert coord.push(_header("b", 0, part=0, parts=2), _part(old, RANK0, 0)).accepted
+    coord.join("b", fingerprint(THETA).values())  # the site's ranks come back
+    coord.push(_header("b", 0, part=1, parts=2), _part(new, RANK1, 0))
+    assert coord.committed_rounds == 0  # part 0 of the old incarnation was forgotten
+    coord.push(_header("b", 0, part=0, parts=2), _part(new, RANK0, 0))
+    reference = _coordinator()
+    reference.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32, round=0))
+    reference.push(_header("b", 0), encode_chunks(new, codec=FP32, round=0))
+    assert coord.committed_rounds == 1 and coord.global_sha256() == reference.global_sha256()

@@ -66,6 +66,10 @@ class PartialPushes:
     def discard(self, site_id: str, round: int) -> None:
         self._pending.pop((site_id, round), None)
 
+    def discard_site(self, site_id: str) -> None:
+        for key in [k for k in self._pending if k[0] == site_id]:
+            del self._pending[key]
+
     def prune(self, keep: Callable[[int], bool]) -> None:
         """Forgets the parts of rounds that can no longer be taken."""
         for key in [k for k in self._pending if not keep(k[1])]:

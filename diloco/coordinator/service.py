@@ -188,6 +188,9 @@ class Coordinator:
         with self._cv:
             self._members.join(site_id)
             self._left.pop(site_id, None)
+            # A site that (re)joins starts its rounds afresh: parts an earlier incarnation of it
+            # pushed must not be combined with the parts of this one.
+            self._parts.discard_site(site_id)
             return JoinInfo(open_round=self._open, total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.lease_s)
 
     def leave(self, site_id: str, global_sha256: str) -> None:
