@@ -3,7 +3,6 @@
 - a plain hand-written loop becomes a site with three added lines (diloco.DiLoCo)."""
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch

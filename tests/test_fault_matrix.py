@@ -108,7 +108,7 @@ def test_kills_lose_no_round_and_apply_none_twice(kills: Run) -> None:
 @pytest.mark.parametrize("phase, site, round", [("inner", "0", 1), ("push", "1", 2)])
 def test_a_site_killed_before_its_push_counted_redoes_the_round(kills: Run, phase: str, site: str, round: int) -> None:
     log = _log(kills, f"site{site}.1.log")
-    assert f"joined run" in log and f"at round {round} " in log, log
+    assert "joined run" in log and f"at round {round} " in log, log
 
 
 def test_a_site_killed_mid_pull_comes_back_in_the_next_round(kills: Run) -> None:
@@ -189,7 +189,7 @@ def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
     assert "resumed from" in coordinator_log and "(global sha256" in coordinator_log  # restore checks θ against it
     for s in ALL:
         log = _log(resumed, f"site{s}.1.log")
-        assert f"restored its round-" in log, log  # its inner optimizer state came back
+        assert "restored its round-" in log, log  # its inner optimizer state came back
 
 
 @pytest.fixture(scope="module")

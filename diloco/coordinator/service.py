@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from diloco.boxes import Box
-from diloco.codec import ChunkAssembler, CodecConfig, CodecError, check_part, chunks_overlapping, codec_config, encode_chunks, get_codec, is_lossless
+from diloco.codec import ChunkAssembler, CodecConfig, CodecError, check_part, codec_config, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.checkpoint import save_checkpoint
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
 from diloco.coordinator.guard import GuardConfig, SpikeGuard
+from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_policy import RoundPolicy
@@ -117,12 +118,10 @@ class Coordinator:
         self._pushes: dict[str, PushHeader] = {}
         self._push_bytes = 0
         self._participants: dict[int, list[str]] = {}
-        self._updates: dict[int, list[Chunk]] = {}
-        self._bytes_down: dict[int, int] = {}
+        self._downlink = Downlink(self._specs, cfg.keep_updates)  # what pullers get
         self._hash = params_sha256(self._outer.params)
         self._codec_down = codec_config(cfg.codec_down).build()
         self._down_residual: dict[str, torch.Tensor] | None = None
-        self._global_chunks: tuple[int, list[Chunk]] | None = None  # (round, θ as fp32 chunks) for PullGlobal
         self._start = clock()
         self._round_start = self._start
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
@@ -165,7 +164,7 @@ class Coordinator:
 
     def bytes_down(self, round: int) -> int:
         with self._cv:
-            return self._bytes_down.get(round, 0)
+            return self._downlink.bytes_sent(round)
 
     def left_sites(self) -> dict[str, str]:
         with self._cv:
@@ -376,9 +375,7 @@ class Coordinator:
         else:
             # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
             update = {n: torch.zeros_like(p) for n, p in self._outer.params.items()}
-            self._updates[r] = list(encode_chunks(update, codec=self._codec_down, round=r, chunk_bytes=self.cfg.chunk_bytes))
-        for old in [k for k in self._updates if k <= r - self.cfg.keep_updates]:
-            del self._updates[old]
+            self._downlink.put_update(r, list(encode_chunks(update, codec=self._codec_down, round=r, chunk_bytes=self.cfg.chunk_bytes)))
         self._hash = params_sha256(self._outer.params)
         now = self._clock()
         headers = [self._pushes[s] for s in sorted(pushed)]
@@ -421,7 +418,6 @@ class Coordinator:
             save_checkpoint(Path(self.cfg.checkpoint_dir), self._open, self._checkpoint_state())
         self._round_start = now
         self._acc = WeightedMean(self._shapes)
-        self._global_chunks = None
         self._pushes = {}
         self._pushed_at = {}
         self._push_bytes = 0
@@ -441,7 +437,7 @@ class Coordinator:
         sent = assembler.finish()
         if self.cfg.error_feedback_down and not is_lossless(self._codec_down.name):
             self._down_residual = {n: proposed[n] - sent[n] for n in proposed}
-        self._updates[r] = chunks
+        self._downlink.put_update(r, chunks)
         return sent
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -484,7 +480,7 @@ class Coordinator:
             self._merged = []
             self._acc = WeightedMean(self._shapes)
             self._pushes, self._pushed_at, self._push_bytes = {}, {}, 0
-            self._updates, self._global_chunks = {}, None
+            self._downlink.clear()
             self._parts.clear()
             self._round_start = self._clock()
             last = self._records.get(committed - 1)
@@ -499,44 +495,28 @@ class Coordinator:
             self._cv.wait_for(lambda: self._open > round, timeout=max(0.0, timeout_s))
             return self._status()
 
-    def _check_want(self, want: Mapping[str, Box] | None) -> None:
-        for name, box in (want or {}).items():
-            spec = self._specs.get(name)
-            why = f"unknown parameter {name!r}" if spec is None else box.problem(spec.shape)
-            if why is not None:
-                raise CoordinatorError("invalid_argument", f"pull of slices refused: {why}")
-
     def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:
         """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
         the chunks that hold rows of those slices (what one rank of a sharded site needs)."""
-        self._check_want(want)
+        self._downlink.check_want(want)
         with self._cv:
             self._require_member(site_id)
             if round >= self._open:
                 raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
-            chunks = self._updates.get(round)
-            if chunks is None:
-                raise CoordinatorError("not_found", f"the update of round {round} is no longer kept; pull the global parameters instead")
-            if want is not None:
-                chunks = chunks_overlapping(chunks, want)
-            self._bytes_down[round] = self._bytes_down.get(round, 0) + sum(len(c.payload) for c in chunks)
-            return chunks
+            return self._downlink.update(round, want)
 
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> list[Chunk]:
         """θ after the last committed round, float32, tagged with the open round number (with
         ``want``: only the chunks that hold rows of those slices)."""
-        self._check_want(want)
+        self._downlink.check_want(want)
         with self._cv:
             self._require_member(site_id)
-            # Encoded once per committed round and shared by every puller (sites joining
-            # together at round 0 would otherwise each hold a copy of θ).
-            if self._global_chunks is None or self._global_chunks[0] != self._open:
-                self._global_chunks = (self._open, list(encode_chunks(self._outer.params, codec=get_codec("fp32"), round=self._open, chunk_bytes=self.cfg.chunk_bytes)))
-            chunks = self._global_chunks[1]
-            if want is not None:
-                chunks = chunks_overlapping(chunks, want)
-            self._bytes_down[self._open] = self._bytes_down.get(self._open, 0) + sum(len(c.payload) for c in chunks)
-            return chunks
+            open_round = self._open
+
+            def encode() -> list[Chunk]:
+                return list(encode_chunks(self._outer.params, codec=get_codec("fp32"), round=open_round, chunk_bytes=self.cfg.chunk_bytes))
+
+            return self._downlink.global_params(open_round, encode, want)
 
     def late_pushes(self, round: int) -> list[dict[str, Any]]:
         """Pushes ({"site", "round"}) that arrived while ``round`` was open, for rounds committed
