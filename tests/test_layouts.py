@@ -5,7 +5,8 @@ rank pushing and pulling its own slices over real gRPC.
   (to 1e-5 of the update's norm: only the order of float reductions differs).
 * The coordinator's record of what each part of a sharded push held: FSDP2 ranks send only
   slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors.
-* Sites with different layouts in one run end bit-identical to the coordinator.
+* Sites with different layouts in one run end bit-identical to the coordinator, also when
+  one of them (a torchrun group) is killed mid push and started again.
 """
 
 from __future__ import annotations
@@ -80,9 +81,14 @@ def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path:
 
 
 def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
-    overrides = ["sites=4", "sync_every=2", "rounds=2", "data.batch_size=4", "eval_every=100", "site_layouts=[tp2,fsdp2,pp2,single]"]
+    # The fsdp2 site's leader rank is SIGKILLed in the middle of its push in round 1: its
+    # torchrun group goes down, the simulator starts it again, and it redoes round 1.
+    kill = "faults.events=[{kind:kill_site,site:1,at_round:1,phase:push,restart_after_s:0.5}]"
+    overrides = ["sites=4", "sync_every=2", "rounds=2", "data.batch_size=4", "eval_every=100", "site_layouts=[tp2,fsdp2,pp2,single]", kill]
     run = run_ok(tmp_path / "run", *overrides, timeout=240)
     summary = run.summary
+    assert [(e["process"], e["round"], e["phase"]) for e in summary["faults_injected"]] == [("site 1", 1, "push")]
+    assert "joined run" in (run.run_dir / "logs" / "site1.1.log").read_text()
     assert summary["hashes_equal"] and len(summary["site_global_sha256"]) == 4
     assert [m["round"] for m in run.metrics] == [0, 1]
     for m in run.metrics:

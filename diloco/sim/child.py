@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.role == "site":
         from diloco.site.run import SiteOptions, run_site
 
-        faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan else None
+        # A site of several ranks: faults are injected into its leader (rank 0); a killed rank
+        # takes its torchrun group down with it, and the simulator starts the group again.
+        leader = int(os.environ.get("RANK", "0")) == 0
+        faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan and leader else None
         opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, faults=faults, incarnation=args.incarnation, checkpoint_dir=args.checkpoint_dir)
         run_site(cfg, opts, args.run_dir, log=log)
         from diloco.site.layouts.build import exit_rank

@@ -178,6 +178,10 @@ def _failure(p: _Proc) -> str:
     return f"{p.name} (pid {p.popen.pid}) exited with code {p.popen.returncode}; log: {p.log_path}\n    {lines}"
 
 
+def _is_torchrun(cmd: list[str]) -> bool:
+    return "torch.distributed.run" in cmd
+
+
 def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: float, say: Callable[[str], None]) -> None:
     shown = 0
     handled = 0  # fired fault events already read
@@ -194,7 +198,9 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
             if code in (None, 0) or p.restart_at is not None or p.gone:
                 continue
             planned = next((e for e in kills if e["process"] == p.name), None)
-            if code != -signal.SIGKILL or planned is None:
+            # A torchrun group whose rank was SIGKILLed exits with an error code of its own.
+            killed = code == -signal.SIGKILL or (_is_torchrun(p.cmd) and code > 0)
+            if not killed or planned is None:
                 raise SimError(_failure(p))
             kills.remove(planned)
             if planned["restart_after_s"] < 0:

@@ -57,8 +57,6 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
     layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed))
     if layout.world > 1:
-        if opts.faults is not None:
-            raise ValueError(f"faults.events: fault injection supports one-rank sites only; site {opts.site_id} has layout {layout_cfg.name}")
         inner_log = log
         log = (lambda msg: inner_log(msg)) if layout.leader else (lambda _msg: None)
     trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps, layout=layout)
