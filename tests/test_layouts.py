@@ -1,8 +1,9 @@
 """Inner layouts through the real simulation: every site a torchrun group (gloo on CPU), each
 rank pushing and pulling its own slices over real gRPC.
 
-* Per layout (ddp2, fsdp2, tp2, pp2, tp2_fsdp2), one round of 2 sites gives the same θ as the single layout on the same data
-  (to 1e-5 of the update's norm: only the order of float reductions differs).
+* Per layout (ddp2 with activation checkpointing, fsdp2, tp2, pp2, tp2_fsdp2), one round of
+  a site gives the same θ as the single layout on the same data (to 1e-5 of the update's
+  norm: only the order of float reductions differs).
 * The coordinator's record of what each part of a sharded push held: FSDP2 ranks send only
   slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors.
 * Sites with different layouts in one run end bit-identical to the coordinator, also when
@@ -26,7 +27,7 @@ from diloco.site.layouts.config import LayoutConfig
 
 pytestmark = pytest.mark.timeout(300)
 
-BASE = ["sites=2", "sync_every=3", "rounds=1", "data.batch_size=4", "eval_every=100"]
+BASE = ["sites=1", "sync_every=3", "rounds=1", "data.batch_size=4", "eval_every=100"]  # one site: fewer processes
 PARAMS = count_params(build_model(model_config("tiny"), 0))
 TENSORS = len(list(build_model(model_config("tiny"), 0).parameters()))
 
@@ -42,7 +43,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(tmp_path_factory.mktemp("single") / "run", *BASE, "layout=single")
 
 
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "fsdp2+ac", "tp2", "pp2", "tp2_fsdp2"])
+@pytest.mark.parametrize("layout", ["ddp2+ac", "fsdp2", "tp2", "pp2", "tp2_fsdp2"])
 def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path: Path) -> None:
     extra = ["layout.activation_checkpointing=true"] if layout.endswith("+ac") else []  # recompute in backward
     layout = layout.removesuffix("+ac")
@@ -54,7 +55,7 @@ def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path:
     diff = sum(float(((a[n] - b[n]) ** 2).sum()) for n in a) ** 0.5
     update = sum(float(((a[n] - start[n]) ** 2).sum()) for n in a) ** 0.5
     assert diff <= 1e-5 * update, (diff, update)
-    parts = [run.metrics[0]["sliced"][s] for s in ("0", "1")]
+    parts = [run.metrics[0]["sliced"]["0"]]
     ranks = 4 if layout == "tp2_fsdp2" else 2
     for site in parts:
         assert [p["part"] for p in site] == list(range(ranks))

@@ -67,7 +67,7 @@ def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: P
     sim = Path(sys.executable).parent / "diloco-sim"
     name, _, zstd = codec.partition("+")
     run = subprocess.run(
-        [str(sim), "sites=3", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"hydra.run.dir={tmp_path}"],
+        [str(sim), "sites=2", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=110,
@@ -81,7 +81,7 @@ def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: P
     # Each round's uplink is the encoded size: exactly the codec's formula (zstd: at most it),
     # and below 16 bits per value for every lossy codec.
     numels = [p.numel() for p in build_model(model_config("tiny"), seed=0).parameters()]
-    formula = 3 * encoded_bytes(numels, codec=make_codec(codec))
+    formula = 2 * encoded_bytes(numels, codec=make_codec(codec))
     for m in metrics:
         assert m["bytes_up"] == formula if not zstd else m["bytes_up"] <= formula
-        assert m["bytes_up"] <= 2.01 * summary["params"] * 3
+        assert m["bytes_up"] <= 2.01 * summary["params"] * 2
