@@ -41,6 +41,46 @@ class SiteOptions:
         return shard
 
 
+def _silent(_msg: str) -> None:
+    pass
+
+
+def _restore(checkpointer: SiteCheckpointer | None, sync: OuterSync, site_id: str, log: Callable[[str], None]) -> bool:
+    """Restores the site's own checkpoint if it has one; True if it was exact (the sampler and
+    residual too), False if the data must be moved on to where the run is."""
+    restored = checkpointer.restore(round=sync.round, global_sha256=sync.global_sha256(), set_residual=sync.set_residual) if checkpointer else None
+    if restored is None:
+        log(f"site {site_id}: no checkpoint of this run; the inner optimizer state starts fresh")
+        return False
+    what = "optimizer, sampler and residual" if restored.exact else "optimizer state only (rounds were committed since)"
+    log(f"site {site_id}: restored its round-{restored.round} checkpoint: {what}; θ hash matches: {restored.hash_matches}")
+    return restored.exact
+
+
+def _traffic(per_rank: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
+    """Bytes and outer-sync seconds (median per round of each part) of the site's ranks."""
+    return {
+        "ranks": ranks,
+        "bytes_up": sum(r["bytes_up"] for r in per_rank),
+        "bytes_down": sum(r["bytes_down"] for r in per_rank),
+        "bytes_up_per_rank": [r["bytes_up"] for r in per_rank],
+        "bytes_down_per_rank": [r["bytes_down"] for r in per_rank],
+        "sync_s_median_per_rank": [r["sync"] for r in per_rank],
+    }
+
+
+def _sync_record(sync: OuterSync) -> dict[str, Any]:
+    """What happened to the site's rounds: hashes, dropped and merged rounds, reconnects."""
+    return {
+        "rounds": len(sync.round_hashes),
+        "round_sha256": {str(r): h for r, h in sorted(sync.round_hashes.items())},
+        "dropped_rounds": sync.dropped_rounds,
+        "merged_rounds": sync.merged_rounds,
+        "rejoins": sync.rejoins,
+        "reconnects": sync.reconnects,
+    }
+
+
 def _median_times(timings: list[dict[str, float]]) -> dict[str, float]:
     keys = [k for k in (timings[0] if timings else {}) if k != "round"]
     return {k: round(statistics.median(t[k] for t in timings), 5) for k in keys}
@@ -56,9 +96,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     # Every rank draws the site's whole batch (the same sampler) and trains on its share of it.
     sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
     layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed))
-    if layout.world > 1:
-        inner_log = log
-        log = (lambda msg: inner_log(msg)) if layout.leader else (lambda _msg: None)
+    if not layout.leader:
+        log = _silent  # the site's leader rank speaks for it
     trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps, layout=layout)
     start = time.monotonic()
     tokens = 0
@@ -68,8 +107,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     # site's count is at most one step behind.
     progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
     trained = 0
-    steps_per_round: dict[int, int] = {}
-    step_s: list[float] = []  # wall time of every inner step  # inner steps this process ran per round (dynamic local steps)
+    steps_per_round: dict[int, int] = {}  # inner steps this process ran per round (dynamic local steps)
+    step_s: list[float] = []  # wall time of every inner step
     with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as real_client:
         client = faults.wrap(real_client) if faults else real_client
         sync = OuterSync(
@@ -83,14 +122,8 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation})")
         # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
         checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, trainer, sampler, log) if opts.checkpoint_dir and layout.world == 1 else None
-        restored = checkpointer.restore(round=sync.round, global_sha256=sync.global_sha256(), set_residual=sync.set_residual) if checkpointer else None
-        if restored is None:
-            log(f"site {opts.site_id}: no checkpoint of this run; the inner optimizer state starts fresh")
-        else:
-            what = "optimizer, sampler and residual" if restored.exact else "optimizer state only (rounds were committed since)"
-            log(f"site {opts.site_id}: restored its round-{restored.round} checkpoint: {what}; θ hash matches: {restored.hash_matches}")
-        if restored is None or not restored.exact:
-            sampler.skip(sync.round * cfg.sync_every)
+        if not _restore(checkpointer, sync, opts.site_id, log):
+            sampler.skip(sync.round * cfg.sync_every)  # the data goes on where the run is
         try:
             while not sync.finished:
                 losses = []
@@ -130,26 +163,15 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     result = {
         "site_id": opts.site_id,
         "shard": shard,
-        "rounds": len(sync.round_hashes),
         "tokens": tokens,
         "inner_steps": trainer.steps_done,
         "layout": layout_cfg.name,
-        "ranks": layout.world,
-        "bytes_up": sum(r["bytes_up"] for r in per_rank),
-        "bytes_down": sum(r["bytes_down"] for r in per_rank),
-        "bytes_up_per_rank": [r["bytes_up"] for r in per_rank],
-        "bytes_down_per_rank": [r["bytes_down"] for r in per_rank],
+        **_traffic(per_rank, layout.world),
         "inner_step_s_median": round(statistics.median(step_s), 5) if step_s else None,
-        # median seconds per round of each part of the outer sync, per rank
-        "sync_s_median_per_rank": [r["sync"] for r in per_rank],
-        "dropped_rounds": sync.dropped_rounds,
-        "merged_rounds": sync.merged_rounds,
         "steps_per_round": {str(r): n for r, n in sorted(steps_per_round.items())},
-        "rejoins": sync.rejoins,
-        "reconnects": sync.reconnects,
+        **_sync_record(sync),
         "incarnation": opts.incarnation,
         "global_sha256": site_hash,
-        "round_sha256": {str(r): h for r, h in sorted(sync.round_hashes.items())},
         "wall_s": round(time.monotonic() - start, 3),
         "peak_rss_mb": peak_rss_mb(),
     }
