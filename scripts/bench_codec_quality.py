@@ -3,8 +3,8 @@
 For every seed and every variant it runs the DiLoCo simulation (4 sites, H=50, 10 rounds,
 tiny model by default: the same tokens for every variant) and, once, ``mode=ddp`` with the
 first seed, whose all-reduced fp32 gradient bytes are the denominator of the reduction.
-Variants are a codec name, optionally with ``:noef`` (error_feedback=false), e.g.
-``topk2bit:noef``. Runs go seed by seed so a cut-short benchmark still compares every
+Variants are a codec name or a recipe (``conf/recipe``: ``sparseloco``), optionally with
+``:noef`` (error_feedback=false), e.g. ``topk2bit:noef`` or ``sparseloco:noef``. Runs go seed by seed so a cut-short benchmark still compares every
 variant on the seeds it finished. Results go to OUT/results.json after every run; the
 table at the end gives per variant the median bpb, its % change against fp32 (per-seed
 differences, median), bytes_up per round against the formula params x bits / 8 + scales
@@ -35,7 +35,18 @@ from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
 from diloco.sim.launcher import SimError, SimStopped, run_simulation  # noqa: E402
 
-DEFAULT_VARIANTS = "fp32,int8,int4,e3m0,topk2bit,topk2bit:noef"
+DEFAULT_VARIANTS = "fp32,int8,int4,e3m0,topk2bit,topk2bit:noef,sparseloco,sparseloco:noef"
+RECIPES = {p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "recipe").glob("*.yaml")}
+
+
+def recipe_config(name: str) -> dict[str, Any]:
+    """The run config that ``recipe=NAME`` gives on the command line, composed by hydra."""
+    from hydra import compose, initialize_config_module
+
+    from diloco.cli.common import run_config
+
+    with initialize_config_module("diloco.conf", version_base=None):
+        return run_config_to_dict(run_config(compose("run", overrides=[f"recipe={name}"]), sections=()))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,13 +69,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace, variant: str, seed: int, mode: str = "diloco") -> RunConfig:
-    codec, _, flag = variant.partition(":")
+    name, _, flag = variant.partition(":")
     if flag not in ("", "noef"):
         raise SystemExit(f"variant {variant!r}: the only flag is ':noef'")
-    d = run_config_to_dict(RunConfig())
+    d = recipe_config(name) if name in RECIPES else run_config_to_dict(RunConfig())
     d.update(mode=mode, sites=args.sites, sync_every=args.sync_every, rounds=args.rounds, seed=seed)
     d["model"] = {"name": args.model}
-    d["codec"] = codec
+    if name not in RECIPES:
+        d["codec"] = name
     d["error_feedback"] = flag != "noef"
     for text in args.overrides:
         path, value = parse_override(text)

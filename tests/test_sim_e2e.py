@@ -288,16 +288,13 @@ def test_single_seed_determinism(single_run: Run, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_diloco_seed_determinism(tmp_path: Path) -> None:
-    # Many short rounds, so that two runs almost surely see a different push order somewhere.
-    args = ("mode=diloco", f"sites={SITES}", "sync_every=1", "rounds=5", f"data.batch_size={BATCH}", "eval_every=5", "seed=0")
-    a = run_sim(tmp_path / "a", *args)
-    b = run_sim(tmp_path / "b", *args)
-    for run in (a, b):
-        if run.returncode != 0 or not run.summary["hashes_equal"]:
-            raise RuntimeError(run.describe())
-    assert [m["global_sha256"] for m in a.metrics] == [m["global_sha256"] for m in b.metrics]
-    assert a.summary["global_sha256"] == b.summary["global_sha256"]
+def test_diloco_seed_determinism(diloco_run: Run, tmp_path: Path) -> None:
+    # The same config again: its three sites push in whatever order they finish, which differs
+    # between the two runs, and the coordinator's sum must not depend on it.
+    again = run_ok(tmp_path / "again", "mode=diloco", f"sites={SITES}", *SMALL)
+    assert again.summary["hashes_equal"], again.describe()
+    assert [m["global_sha256"] for m in again.metrics] == [m["global_sha256"] for m in diloco_run.metrics]
+    assert again.summary["global_sha256"] == diloco_run.summary["global_sha256"]
 
 
 # ---- 4. config errors fail fast ----------------------------------------------------------

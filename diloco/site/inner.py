@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from diloco.model import lm_loss
 
@@ -57,9 +57,18 @@ def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=foreach)
 
 
+def _dtensor_class() -> type | None:
+    """DTensor, or None while torch.distributed.tensor is not imported: then no tensor can be
+    one. (Importing it costs about a second of CPU, which a one-rank site never needs.)"""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def _mixes_dtensors(params: list[torch.Tensor]) -> bool:
     """Plain tensors and DTensors together, or DTensors on more than one device mesh."""
-    return len({id(p.device_mesh) if isinstance(p, DTensor) else None for p in params}) > 1
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return False
+    return len({id(p.device_mesh) if isinstance(p, dtensor) else None for p in params}) > 1
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -67,11 +76,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     the norm over the whole (unsharded) gradients, every parameter counted once."""
     if not _mixes_dtensors(params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    dtensor = _dtensor_class()
     grads = [p.grad for p in params if p.grad is not None]
     squares = []
     for g in grads:
         n = g.norm()
-        squares.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
+        squares.append((n.full_tensor() if isinstance(n, dtensor) else n).float() ** 2)
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
