@@ -31,7 +31,7 @@ def _base(name: str) -> str:
 
 
 def _block(name: str) -> int:
-    return {"int8": 1024, "int4": 128, "e3m0": 1024}.get(_base(name), 1024)
+    return {"int8": 1024, "int4": 128, "e3m0": 1024, "topk2bit": 4096}.get(_base(name), 1024)
 
 
 def _data(kind: str, n: int, seed: int = 0) -> torch.Tensor:
@@ -61,7 +61,9 @@ def _assert_within_bound(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         assert torch.equal(x, y)
         return
     if base == "topk2bit":
-        _assert_topk(x, y, get_codec("topk2bit").k_for(n))
+        b = _block(name)
+        for s in range(0, n, b):  # top-k and levels are per block
+            _assert_topk(x[s : s + b], y[s : s + b], get_codec("topk2bit").k_for(min(b, n - s)))
         return
     if base == "fp16":
         bound = 2.0**-11 * x64.abs() + 2.0**-39 * (float(x64.abs().max()) if n else 0.0)
@@ -136,12 +138,13 @@ def _formula(name: str, n: int) -> int:
         return 8 + 4 * math.ceil(n / b) + n
     if base in ("int4", "e3m0"):
         return 8 + 4 * math.ceil(n / b) + math.ceil(n / 2)
-    k = 0 if n == 0 else max(1, math.ceil(0.02 * n - 1e-9))
+    lengths = [b] * (n // b) + ([n % b] if n % b else [])
+    k = sum(max(1, math.ceil(0.02 * m - 1e-9)) for m in lengths)
     index = math.ceil(n / 8)
     if n:
         for low in range(32):
             index = min(index, math.ceil(k * low / 8) + math.ceil((k + ((n - 1) >> low) + 1) / 8))
-    return 20 + math.ceil(k / 4) + index
+    return 16 + 8 * len(lengths) + math.ceil(k / 4) + index
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "+zstd" not in n])
@@ -156,12 +159,15 @@ def test_encoded_size_matches_documented_formula(name: str) -> None:
 
 def test_topk_size_worked_example() -> None:
     # n=1000, k=20: Elias-Fano with L=5 takes ceil(100/8) + ceil((20 + 31 + 1)/8) = 13 + 7 bytes,
-    # less than the 125-byte bitmap; plus 20 bytes of header and levels and ceil(20/4) value bytes.
+    # less than the 125-byte bitmap; plus 16 bytes of header, k and block, 8 bytes of the one
+    # block's levels and ceil(20/4) value bytes.
     codec = get_codec("topk2bit")
     assert codec.k_for(1000) == 20
     assert index_format(1000, 20) == (5, 20)
-    assert codec.encoded_size(1000) == 45
+    assert codec.encoded_size(1000) == 49
     assert index_format(1000, 300)[0] == BITMAP
+    # n=10000 in blocks of 4096: 82 + 82 + ceil(0.02 x 1808) = 201 kept, three pairs of levels
+    assert codec.k_for(10000) == 201 and codec.encoded_size(10000) == 16 + 24 + 51 + index_format(10000, 201)[1]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -169,7 +175,7 @@ def test_max_chunk_numel_fits_one_mib(name: str) -> None:
     codec = get_codec(name)
     m = codec.max_chunk_numel(MAX_CHUNK_BYTES)
     assert codec.encoded_size(m) <= MAX_CHUNK_BYTES
-    if _base(name) in ("int8", "int4", "e3m0"):
+    if _base(name) in ("int8", "int4", "e3m0", "topk2bit"):  # chunks hold whole blocks
         assert m % _block(name) == 0
         assert codec.encoded_size(m + _block(name)) > MAX_CHUNK_BYTES
     else:
@@ -265,6 +271,24 @@ def test_topk_density_parameters_and_both_index_formats() -> None:
         y = get_codec("topk2bit").decode(codec.encode(x), 1000)  # the default instance reads any k
         _assert_topk(x, y, k)
         assert int((y != 0).sum()) == k
+
+
+def test_topk_selects_per_block_with_levels_per_block() -> None:
+    g = torch.Generator().manual_seed(8)
+    loud, quiet = 100 * torch.randn(4096, generator=g), 0.01 * torch.randn(3000, generator=g)
+    x = torch.cat([loud, quiet])
+    y = get_codec("topk2bit").decode(get_codec("topk2bit").encode(x), x.numel())
+    # every block keeps its own share, the quiet one too, with magnitudes of its own
+    assert int((y[:4096] != 0).sum()) == 82 and int((y[4096:] != 0).sum()) == 60
+    assert float(y[4096:].abs().max()) < 0.1
+    whole = make_codec("topk2bit", block=1 << 20)  # one block: the quiet values never make it
+    assert int((whole.decode(whole.encode(x), x.numel())[4096:] != 0).sum()) == 0
+    # the block size travels in the payload: any instance decodes any block size
+    small = make_codec("topk2bit", block=1024)
+    assert torch.equal(get_codec("topk2bit").decode(small.encode(x), x.numel()), small.decode(small.encode(x), x.numel()))
+    assert small.k_for(x.numel()) == 6 * 21 + 20  # 6 full blocks of 1024 (ceil 20.48) and one of 952 (ceil 19.04)
+    with pytest.raises(ValueError, match="block=16 must be an integer of at least 32"):
+        make_codec("topk2bit", block=16)
 
 
 def test_topk_levels_minimize_squared_error() -> None:
@@ -444,12 +468,16 @@ def test_topk_header_checks() -> None:
         codec.decode(p[:8] + struct.pack("<I", 21) + p[12:], 1000)
     with pytest.raises(CodecError, match="k=5000 kept values, more than"):
         codec.decode(p[:8] + struct.pack("<I", 5000) + p[12:], 1000)
+    with pytest.raises(CodecError, match="block=8; blocks have at least 32"):
+        codec.decode(p[:12] + struct.pack("<I", 8) + p[16:], 1000)
+    with pytest.raises(CodecError, match="in blocks of 500"):  # two blocks need two pairs of levels
+        codec.decode(p[:12] + struct.pack("<I", 500) + p[16:], 1000)
     with pytest.raises(CodecError, match="index format 6, expected 5"):
         codec.decode(p[:2] + struct.pack("<H", 6) + p[4:], 1000)
     with pytest.raises(CodecError, match="levels"):
-        codec.decode(p[:12] + struct.pack("<ff", 2.0, 1.0) + p[20:], 1000)
+        codec.decode(p[:16] + struct.pack("<ff", 2.0, 1.0) + p[24:], 1000)
     with pytest.raises(CodecError, match="levels"):
-        codec.decode(p[:12] + struct.pack("<ff", 0.5, float("nan")) + p[20:], 1000)
+        codec.decode(p[:16] + struct.pack("<ff", 0.5, float("nan")) + p[24:], 1000)
     # an upper bitvector with a position too many (set the last padding bit)
     with pytest.raises(CodecError, match="upper bitvector"):
         codec.decode(p[:-1] + bytes([p[-1] | 0x80]), 1000)

@@ -13,8 +13,8 @@ from diloco.codec.registry import ZSTD_SUFFIX, make_codec
 @dataclass(frozen=True)
 class CodecConfig:
     """name: fp32 fp16 bf16 int8 int4 e3m0 topk2bit. zstd: follow it with zstd (after a
-    byte-plane shuffle) at ``zstd_level``. block: values per scale of int8 / int4 / e3m0
-    (None: the codec's default). density: share of values topk2bit keeps (None: 0.02).
+    byte-plane shuffle) at ``zstd_level``. block: values per scale of int8 / int4 / e3m0,
+    values per top-k selection of topk2bit (None: the codec's default). density: share of values topk2bit keeps (None: 0.02).
     A parameter the codec does not take is an error, never silently ignored; zstd_level is
     read only when zstd is on (the shipped configs carry it for every codec).
     """

@@ -22,7 +22,7 @@ ZSTD_SUFFIX = "+zstd"
 def make_codec(name: str, *, block: int | None = None, density: float | None = None, zstd_level: int | None = None) -> Codec:
     """A codec named ``name`` (NAME or NAME+zstd) with the given parameters.
 
-    ``block`` applies to int8 / int4 / e3m0, ``density`` to topk2bit, ``zstd_level`` to
+    ``block`` applies to int8 / int4 / e3m0 / topk2bit, ``density`` to topk2bit, ``zstd_level`` to
     +zstd names; a parameter the codec does not take is a ValueError, not ignored.
     Unknown names raise CodecError listing the known ones.
     """
@@ -30,8 +30,8 @@ def make_codec(name: str, *, block: int | None = None, density: float | None = N
     zstd = base != name
     if base not in BASE_NAMES:
         raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(BASE_NAMES)} (each also as NAME{ZSTD_SUFFIX})")
-    if block is not None and base not in _BLOCKWISE:
-        raise ValueError(f"codec {name!r} takes no block size (only {', '.join(_BLOCKWISE)} do)")
+    if block is not None and base not in (*_BLOCKWISE, "topk2bit"):
+        raise ValueError(f"codec {name!r} takes no block size (only {', '.join(_BLOCKWISE)} and topk2bit do)")
     if density is not None and base != "topk2bit":
         raise ValueError(f"codec {name!r} takes no density (only topk2bit does)")
     if zstd_level is not None and not zstd:
@@ -39,7 +39,7 @@ def make_codec(name: str, *, block: int | None = None, density: float | None = N
     if base in _BLOCKWISE:
         inner: Codec = _BLOCKWISE[base](block)
     elif base == "topk2bit":
-        inner = TopK2BitCodec() if density is None else TopK2BitCodec(density)
+        inner = TopK2BitCodec(**{k: v for k, v in (("density", density), ("block", block)) if v is not None})
     else:
         inner = _PLAIN[base]()
     if not zstd:
