@@ -14,6 +14,7 @@ from pathlib import Path
 
 from diloco.config import run_config_from_dict
 from diloco.faults import FaultPlan, SiteFaults
+from diloco.io import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--site-id", default="0")
     p.add_argument("--coordinator", default="127.0.0.1:0")
+    p.add_argument("--coordinator-port-file", help="site: connect to the port the coordinator writes there (it starts meanwhile)")
     p.add_argument("--port-file")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
@@ -58,15 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         # takes its torchrun group down with it, and the simulator starts the group again.
         leader = int(os.environ.get("RANK", "0")) == 0
         faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan and leader else None
-        opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, faults=faults, incarnation=args.incarnation, checkpoint_dir=args.checkpoint_dir)
+        opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, faults=faults, incarnation=args.incarnation, checkpoint_dir=args.checkpoint_dir)
         run_site(cfg, opts, args.run_dir, log=log)
-        from diloco.site.layouts.build import exit_rank
-
-        exit_rank()
     else:
         from diloco.baseline.data_parallel import run_data_parallel
 
         run_data_parallel(cfg, rank=args.rank, world_size=args.world_size, init_file=args.init_file, run_dir=args.run_dir, log=log)
+    exit_process()  # every process of the simulation ends as soon as its results are written
     return 0
 
 

@@ -83,16 +83,17 @@ def run_simulation(
             # Checkpoints every round: a coordinator killed by a fault resumes from them.
             coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator")]
             procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
-            port = _wait_port(port_file, procs[0], deadline=start + 120)
-            procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
-            address = f"127.0.0.1:{port}"
-            say(f"coordinator on {address}; starting {cfg.sites} site(s)")
+            # The sites start at the same time (importing torch, building the model and the
+            # data take most of a start) and connect once the coordinator's port file exists.
             for s in range(cfg.sites):
                 ranks = cfg.layout_of(s).ranks
                 # A site of several ranks is a torchrun group, as in a real run.
                 launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
-                site = launcher + ["site", *common, "--site-id", str(s), "--coordinator", address, "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
+                site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
                 procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir)))
+            port = _wait_port(port_file, procs[0], deadline=start + 120)
+            procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
+            say(f"coordinator on 127.0.0.1:{port}; {cfg.sites} site(s) started")
         else:
             init_file = run_dir / "pg_init"
             init_file.unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,21 @@ class SiteOptions:
     faults: SiteFaults | None = None  # injected faults (simulation only)
     incarnation: int = 0  # how many times this site was started again (its progress file's name)
     checkpoint_dir: str | None = None  # the site's own checkpoint after every round; restored on start
+    # Simulation only: the coordinator is started at the same time as the site and writes the
+    # port it listens on here; the site reads it once it is ready to connect.
+    coordinator_port_file: str | None = None
+
+    def coordinator_address(self) -> str:
+        """Where to call the coordinator: ``coordinator``, or what the port file says once it exists."""
+        if self.coordinator_port_file is None:
+            return self.coordinator
+        path, deadline = Path(self.coordinator_port_file), time.monotonic() + self.connect_timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no coordinator port in {path} after {self.connect_timeout_s:.0f}s")
+            time.sleep(0.05)
+        where = json.loads(path.read_text())
+        return f"{where['host']}:{where['port']}"
 
     def data_shard(self, num_shards: int) -> int:
         shard = self.shard if self.shard is not None else int(self.site_id) if self.site_id.isdigit() else None
@@ -109,7 +125,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     trained = 0
     steps_per_round: dict[int, int] = {}  # inner steps this process ran per round (dynamic local steps)
     step_s: list[float] = []  # wall time of every inner step
-    with CoordinatorClient(opts.coordinator, connect_timeout_s=opts.connect_timeout_s) as real_client:
+    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s) as real_client:
         client = faults.wrap(real_client) if faults else real_client
         sync = OuterSync(
             layout, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diloco.io import exit_process
 from diloco.site.layouts.base import ParallelModel
 from diloco.site.layouts.config import LayoutConfig
 
@@ -39,13 +40,10 @@ def close_site_group() -> None:
 
 
 def exit_rank() -> None:
-    """Ends a torchrun-launched rank once its work is done and written: flushes and exits at
-    once, skipping interpreter teardown, where the destructors of gloo's and grpc's threads
-    have aborted (SIGABRT, "terminate called without an active exception") now and then."""
+    """Ends a torchrun-launched rank at once once its work is done and written (see
+    diloco.io.exit_process: gloo's and grpc's destructors have aborted at teardown)."""
     if launched_ranks() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_process()
 
 
 def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
