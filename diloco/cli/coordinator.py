@@ -10,6 +10,7 @@ from diloco.cli.common import fail, run_config, run_dir, section
 from diloco.config import ConfigError
 from diloco.coordinator.run import CoordinatorOptions, run_coordinator
 from diloco.data import DataError
+from diloco.io import exit_process
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="coordinator", version_base=None)
@@ -18,6 +19,7 @@ def _main(cfg: DictConfig) -> None:
         rc = run_config(cfg, ("coordinator",))
         opts = CoordinatorOptions(**section(cfg, "coordinator"))
         run_coordinator(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
+        exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)
     except (ConfigError, TypeError) as e:
         fail(f"bad config: {e}")
     except DataError as e:

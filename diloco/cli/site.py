@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from diloco.cli.common import fail, run_config, run_dir, section
 from diloco.config import ConfigError
 from diloco.data import DataError
-from diloco.site.layouts.build import exit_rank
+from diloco.io import exit_process
 from diloco.site.run import SiteOptions, run_site
 from diloco.transport import RemoteError
 
@@ -23,7 +23,7 @@ def _main(cfg: DictConfig) -> None:
         )
         opts.data_shard(rc.sites)
         run_site(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
-        exit_rank()
+        exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)
     except DataError as e:
         fail(f"bad data: {e}")
     except (ConfigError, ValueError) as e:

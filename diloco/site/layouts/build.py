@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.io import exit_process
 from diloco.site.layouts.base import ParallelModel
 from diloco.site.layouts.config import LayoutConfig
 
@@ -37,13 +35,6 @@ def close_site_group() -> None:
     if dist.is_initialized():
         dist.barrier()  # every rank is past its last collective
         dist.destroy_process_group()
-
-
-def exit_rank() -> None:
-    """Ends a torchrun-launched rank at once once its work is done and written (see
-    diloco.io.exit_process: gloo's and grpc's destructors have aborted at teardown)."""
-    if launched_ranks() > 1:
-        exit_process()
 
 
 def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
