@@ -29,12 +29,6 @@ DEFAULT_BLOCK = 4096  # SparseLoCo's chunk: 64 x 64 values
 MIN_BLOCK = 32  # so the levels (8 bytes per block) never outgrow the values they scale
 
 
-def two_level_magnitudes(mags: np.ndarray) -> tuple[float, float]:
-    """(lo, hi) minimizing sum over m of min((m - lo)**2, (m - hi)**2): exact 1-D 2-means."""
-    lo, hi = two_level_rows(mags.reshape(1, -1))
-    return float(lo[0]), float(hi[0])
-
-
 def two_level_rows(mags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``mags`` (rows x k, k >= 1), the exact 2-means (lo, hi) of its values.
 
@@ -44,11 +38,12 @@ def two_level_rows(mags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     equal values gets lo = hi = that value.
     """
     a = np.sort(mags.astype(np.float64), axis=1)
-    top = a[:, -1:].copy()
-    flat = (a[:, 0:1] == top)[:, 0]
+    largest = a[:, -1].copy()
+    flat = a[:, 0] == largest
     k = a.shape[1]
     if k == 1 or flat.all():
-        return top[:, 0].copy(), top[:, 0].copy()
+        return largest, largest.copy()
+    top = largest[:, None].copy()
     top[flat] = 1.0  # rows of equal values (zeros included) are answered below
     a = a / top
     s1, s2 = np.cumsum(a, axis=1), np.cumsum(a * a, axis=1)
@@ -59,7 +54,7 @@ def two_level_rows(mags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = np.arange(a.shape[0])
     lo = low_sum[rows, split] / low_n[split] * top[:, 0]
     hi = high_sum[rows, split] / (k - low_n[split]) * top[:, 0]
-    lo[flat] = hi[flat] = np.sort(mags, axis=1)[flat, -1]
+    lo[flat] = hi[flat] = largest[flat]
     return lo, hi
 
 
