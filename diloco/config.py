@@ -15,7 +15,7 @@ from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.faults import FaultsConfig, fault_to_dict
 from diloco.model import ModelConfig, model_config
-from diloco.outer import OuterConfig
+from diloco.outer import AGGREGATES, OuterConfig
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
 
@@ -52,6 +52,7 @@ class RunConfig:
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
     inner_budget_s: float | None = None  # dynamic local steps: a site stops its inner phase after this many seconds (>= 1 step, <= H)
     error_feedback_decay: float = 1.0  # β: a site adds β × its last residual to the next Δ (SparseLoCo: 0.95)
+    aggregate: str = "mean"  # the coordinator's average of Δ: mean (over the round's sites) | nonzero (per coordinate, over the sites that sent it)
     chunk_bytes: int = MAX_CHUNK_BYTES
     eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
     threads: int = 1  # torch intra-op threads per process
@@ -75,6 +76,8 @@ class RunConfig:
             raise ConfigError(f"inner_budget_s={self.inner_budget_s!r}: must be null or a number of seconds > 0")
         if not (isinstance(self.error_feedback_decay, (int, float)) and 0.0 <= self.error_feedback_decay <= 1.0):
             raise ConfigError(f"error_feedback_decay={self.error_feedback_decay!r}: must be a number in [0, 1]")
+        if self.aggregate not in AGGREGATES:
+            raise ConfigError(f"aggregate={self.aggregate!r}: must be one of {', '.join(AGGREGATES)}")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
         try:

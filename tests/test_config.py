@@ -41,6 +41,7 @@ pytestmark = pytest.mark.timeout(30)
         ({"faults": {"events": [{"kind": "slow_site", "site": 0, "factor": 2, "seconds": 3}]}}, "slow_site takes no seconds"),
         ({"faults": {"colour": 1}}, "faults.colour"),
         ({"error_feedback_decay": -0.1}, "error_feedback_decay=-0.1"),
+        ({"aggregate": "median"}, "aggregate='median'"),
     ],
 )
 def test_bad_values_name_the_field(override: dict, field: str) -> None:
@@ -89,8 +90,8 @@ def test_the_sparseloco_recipe_sets_codec_decay_and_outer(config_name: str) -> N
         # a key on the command line still wins over the recipe
         mine = run_config(compose(config_name, overrides=["recipe=sparseloco", "outer.lr=0.5", "codec.density=0.01"]), sections)
         plain = run_config(compose(config_name), sections)
-    assert cfg.codec.name == "topk2bit" and cfg.error_feedback and cfg.error_feedback_decay == 0.95
+    assert cfg.codec.name == "topk2bit" and cfg.error_feedback and cfg.error_feedback_decay == 0.95 and cfg.aggregate == "nonzero"
     assert (cfg.outer.name, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == ("SGD", 1.0, 0.0, False)
     assert cfg.downlink_codec.name == "int8"  # every process of a run composes the same math
     assert mine.outer.lr == 0.5 and mine.codec.density == 0.01 and mine.error_feedback_decay == 0.95
-    assert (plain.codec.name, plain.error_feedback_decay, plain.outer.momentum) == ("fp32", 1.0, 0.9)
+    assert (plain.codec.name, plain.error_feedback_decay, plain.outer.momentum, plain.aggregate) == ("fp32", 1.0, 0.9, "mean")

@@ -63,14 +63,15 @@ def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bo
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("codec", "codec_down"),
-    # every lossy codec on one link or the other (int8 also has the in-process runs above)
-    [("fp16", "bf16"), ("int8+zstd", "int4"), ("e3m0", "int8"), ("topk2bit", "topk2bit+zstd")],
+    ("codec", "codec_down", "extra"),
+    # every lossy codec on one link or the other (int8 also has the in-process runs above);
+    # topk2bit also with the per-coordinate average of what the sites sent
+    [("fp16", "bf16", []), ("int8+zstd", "int4", []), ("e3m0", "int8", []), ("topk2bit", "topk2bit+zstd", ["aggregate=nonzero"])],
 )
-def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: Path, codec: str, codec_down: str) -> None:
+def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: Path, codec: str, codec_down: str, extra: list[str]) -> None:
     sim = Path(sys.executable).parent / "diloco-sim"
     name, _, zstd = codec.partition("+")
-    overrides = ["sites=2", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"codec_down={codec_down}"]
+    overrides = ["sites=2", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"codec_down={codec_down}", *extra]
     run = subprocess.run([str(sim), *overrides, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -96,17 +96,47 @@ def test_params_sha256_depends_on_names_values_and_shapes() -> None:
     assert params_sha256(a) != params_sha256(b)
 
 
-def test_weighted_mean_does_not_depend_on_the_order_of_arrival() -> None:
+@pytest.mark.parametrize("aggregate", ["mean", "nonzero"])
+def test_weighted_mean_does_not_depend_on_the_order_of_arrival(aggregate: str) -> None:
     g = torch.Generator().manual_seed(3)
     deltas = [{"x": torch.randn(200_000, generator=g) * 10.0 ** float(torch.randint(-4, 2, (1,), generator=g))} for _ in range(6)]
+    for i, d in enumerate(deltas):  # sparse, as a top-k codec leaves them: each site sends a different 5%
+        d["x"][torch.rand(200_000, generator=g) > 0.05] = 0.0
     weights = [4096, 8192, 4096, 12288, 2048, 4096]
     results = []
     for order in ([0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 0, 5, 1, 3, 4]):
-        acc = WeightedMean({"x": torch.Size([200_000])})
+        acc = WeightedMean({"x": torch.Size([200_000])}, aggregate)
         for i in order:
             acc.add(deltas[i], weights[i])
         results.append(acc.mean()["x"])
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_nonzero_mean_averages_each_coordinate_over_the_sites_that_sent_it() -> None:
+    # Site A (100 tokens) sent coordinates 0 and 1, site B (300 tokens) sent 1 and 2; nobody sent 3.
+    acc = WeightedMean({"x": torch.Size([4])}, "nonzero")
+    acc.add({"x": torch.tensor([2.0, 1.0, 0.0, 0.0])}, 100)
+    acc.add({"x": torch.tensor([0.0, 3.0, -4.0, 0.0])}, 300)
+    assert acc.mean()["x"].tolist() == [2.0, (1.0 * 100 + 3.0 * 300) / 400, -4.0, 0.0]
+    plain = WeightedMean({"x": torch.Size([4])})  # the plain mean divides every coordinate by 400
+    plain.add({"x": torch.tensor([2.0, 1.0, 0.0, 0.0])}, 100)
+    plain.add({"x": torch.tensor([0.0, 3.0, -4.0, 0.0])}, 300)
+    assert plain.mean()["x"].tolist() == [0.5, 2.5, -3.0, 0.0]
+
+
+def test_nonzero_mean_of_dense_deltas_is_the_mean() -> None:
+    g = torch.Generator().manual_seed(5)
+    deltas = [{"x": torch.randn(1000, generator=g)} for _ in range(3)]
+    accs = [WeightedMean({"x": torch.Size([1000])}, a) for a in ("mean", "nonzero")]
+    for acc in accs:
+        for d, w in zip(deltas, (100, 200, 700)):
+            acc.add(d, w)
+    assert torch.equal(accs[0].mean()["x"], accs[1].mean()["x"])
+
+
+def test_unknown_aggregate_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="aggregate='median'.*mean, nonzero"):
+        WeightedMean({"x": torch.Size([1])}, "median")
 
 
 def _run_outer(cfg: OuterConfig, grads: list[torch.Tensor], start: torch.Tensor) -> OuterOptimizer:

@@ -61,6 +61,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
             deadline_factor=cfg.quorum.deadline_factor,
             codec_down=cfg.downlink_codec,
             error_feedback_down=cfg.error_feedback,
+            aggregate=cfg.aggregate,
             chunk_bytes=cfg.chunk_bytes,
             snapshot_every=cfg.eval_every,
             checkpoint_dir=opts.checkpoint_dir,

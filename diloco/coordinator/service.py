@@ -31,7 +31,7 @@ from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_policy import RoundPolicy
-from diloco.outer import OuterConfig, OuterOptimizer, WeightedMean, params_sha256
+from diloco.outer import AGGREGATES, OuterConfig, OuterOptimizer, WeightedMean, params_sha256
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
 
 
@@ -45,6 +45,7 @@ class CoordinatorConfig:
     deadline_factor: float = 1.5
     codec_down: CodecConfig | str = "fp32"  # the update's encoding (a config, or a wire name)
     error_feedback_down: bool = True  # carry the downlink codec's error into the next update
+    aggregate: str = "mean"  # mean | nonzero: see WeightedMean
     chunk_bytes: int = MAX_CHUNK_BYTES
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
     keep_updates: int = 2  # committed updates kept for PullUpdate; older ones need PullGlobal
@@ -60,6 +61,8 @@ class CoordinatorConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         codec_config(self.codec_down)
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate={self.aggregate!r}: must be one of {', '.join(AGGREGATES)}")
         self.policy  # checks the deadline fields
 
     @property
@@ -114,7 +117,7 @@ class Coordinator:
         self._left: dict[str, str] = {}  # site id -> the hash it reported when leaving
         self._pushed_at: dict[str, float] = {}  # this round's pushes: site id -> arrival time
         self._open = 0
-        self._acc = WeightedMean(self._shapes)
+        self._acc = WeightedMean(self._shapes, self.cfg.aggregate)
         self._pushes: dict[str, PushHeader] = {}
         self._push_bytes = 0
         self._participants: dict[int, list[str]] = {}
@@ -417,7 +420,7 @@ class Coordinator:
             # Before any site can see the round committed: a restart never loses a published round.
             save_checkpoint(Path(self.cfg.checkpoint_dir), self._open, self._checkpoint_state())
         self._round_start = now
-        self._acc = WeightedMean(self._shapes)
+        self._acc = WeightedMean(self._shapes, self.cfg.aggregate)
         self._pushes = {}
         self._pushed_at = {}
         self._push_bytes = 0
@@ -478,7 +481,7 @@ class Coordinator:
             self._guard = SpikeGuard(self.cfg.guard, list(state.get("guard_history", [])))
             self._merged_done = {(str(s), int(r)) for s, r in state.get("merged_done", [])}
             self._merged = []
-            self._acc = WeightedMean(self._shapes)
+            self._acc = WeightedMean(self._shapes, self.cfg.aggregate)
             self._pushes, self._pushed_at, self._push_bytes = {}, {}, 0
             self._downlink.clear()
             self._parts.clear()

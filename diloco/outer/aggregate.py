@@ -6,20 +6,34 @@ from collections.abc import Mapping
 
 import torch
 
+AGGREGATES = ("mean", "nonzero")
+
 
 class WeightedMean:
     """Accumulates Σ w_s·Δ_s and Σ w_s; memory is one float64 copy of the parameters,
     however many sites contribute. Weights are the tokens each site processed.
+
+    ``aggregate="nonzero"`` divides each coordinate by the weight of only the sites whose Δ
+    is nonzero there (a coordinate no site sent stays 0), at the cost of a second float64
+    copy. For sparse codecs: a value that one site of four kept is otherwise divided by all
+    four, although the others did not send a zero but a "not yet" (their error feedback
+    still holds their share of it), so the step shrinks fourfold wherever the sites chose
+    different coordinates (README: Measured). For dense codecs it equals the mean except
+    where a Δ is exactly 0.
 
     Why float64: pushes arrive in any order and float32 addition is not associative, so a
     float32 sum would make the same run give different θ from one run to the next. In
     float64, w·Δ is exact (a 24-bit mantissa times an integer weight below 2^29) and the
     order only moves the sum by ~1e-16 relative, which the final rounding of the mean to
     float32 removes except in vanishingly rare ties (tests/test_outer_math.py checks this).
+    Sums of weights are exact in any order.
     """
 
-    def __init__(self, shapes: Mapping[str, torch.Size]) -> None:
+    def __init__(self, shapes: Mapping[str, torch.Size], aggregate: str = "mean") -> None:
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate={aggregate!r}: must be one of {', '.join(AGGREGATES)}")
         self._sum = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()}
+        self._weight = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()} if aggregate == "nonzero" else None
         self.total_weight = 0.0
         self.count = 0
 
@@ -28,10 +42,15 @@ class WeightedMean:
             raise ValueError(f"weight must be > 0, got {weight}")
         for name, buf in self._sum.items():
             buf.add_(delta[name].double(), alpha=weight)
+            if self._weight is not None:
+                self._weight[name].add_(delta[name] != 0, alpha=weight)
         self.total_weight += weight
         self.count += 1
 
     def mean(self) -> dict[str, torch.Tensor]:
         if self.count == 0:
             raise ValueError("no contributions to average")
-        return {n: (s / self.total_weight).float() for n, s in self._sum.items()}
+        if self._weight is None:
+            return {n: (s / self.total_weight).float() for n, s in self._sum.items()}
+        # Where no site sent a value, the sum is 0 too: 0 / 1 keeps it 0.
+        return {n: (s / torch.where(self._weight[n] > 0, self._weight[n], 1.0)).float() for n, s in self._sum.items()}
