@@ -3,7 +3,7 @@
 For every seed and every variant it runs the DiLoCo simulation (4 sites, H=50, 10 rounds,
 tiny model by default: the same tokens for every variant) and, once, ``mode=ddp`` with the
 first seed, whose all-reduced fp32 gradient bytes are the denominator of the reduction.
-Variants are a codec name or a recipe (``conf/recipe``: ``sparseloco``), optionally with
+Variants are a codec name or a recipe (``conf/recipe``: ``sparseloco``, ``sparse``), optionally with
 ``:noef`` (error_feedback=false), e.g. ``topk2bit:noef`` or ``sparseloco:noef``. Runs go seed by seed so a cut-short benchmark still compares every
 variant on the seeds it finished. Results go to OUT/results.json after every run; the
 table at the end gives per variant the median bpb, its % change against fp32 (per-seed
@@ -35,7 +35,7 @@ from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
 from diloco.sim.launcher import SimError, SimStopped, run_simulation  # noqa: E402
 
-DEFAULT_VARIANTS = "fp32,int8,int4,e3m0,topk2bit,topk2bit:noef,sparseloco,sparseloco:noef"
+DEFAULT_VARIANTS = "fp32,int8,int4,e3m0,topk2bit,topk2bit:noef,sparseloco,sparseloco:noef,sparse,sparse:noef"
 RECIPES = {p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "recipe").glob("*.yaml")}
 
 

@@ -78,20 +78,24 @@ def test_codec_group_and_downlink_default() -> None:
     assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
 
 
+SPARSE_DECAY, SPARSE_LR = 0.8, 1.25  # conf/recipe/sparse.yaml
+
+
 @pytest.mark.parametrize("config_name", ["sim", "coordinator", "site"])
-def test_the_sparseloco_recipe_sets_codec_decay_and_outer(config_name: str) -> None:
+@pytest.mark.parametrize(("recipe", "decay", "aggregate", "lr"), [("sparseloco", 0.95, "mean", 1.0), ("sparse", SPARSE_DECAY, "nonzero", SPARSE_LR)])
+def test_the_sparse_recipes_set_codec_decay_aggregate_and_outer(config_name: str, recipe: str, decay: float, aggregate: str, lr: float) -> None:
     from hydra import compose, initialize_config_module
 
     from diloco.cli.common import run_config
 
     sections = {"sim": ("sim",), "coordinator": ("coordinator",), "site": ("site",)}[config_name]
     with initialize_config_module("diloco.conf", version_base=None):
-        cfg = run_config(compose(config_name, overrides=["recipe=sparseloco"]), sections)
+        cfg = run_config(compose(config_name, overrides=[f"recipe={recipe}"]), sections)
         # a key on the command line still wins over the recipe
-        mine = run_config(compose(config_name, overrides=["recipe=sparseloco", "outer.lr=0.5", "codec.density=0.01"]), sections)
+        mine = run_config(compose(config_name, overrides=[f"recipe={recipe}", "outer.lr=0.5", "codec.density=0.01"]), sections)
         plain = run_config(compose(config_name), sections)
-    assert cfg.codec.name == "topk2bit" and cfg.error_feedback and cfg.error_feedback_decay == 0.95 and cfg.aggregate == "nonzero"
-    assert (cfg.outer.name, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == ("SGD", 1.0, 0.0, False)
+    assert cfg.codec.name == "topk2bit" and cfg.error_feedback and cfg.error_feedback_decay == decay and cfg.aggregate == aggregate
+    assert (cfg.outer.name, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == ("SGD", lr, 0.0, False)
     assert cfg.downlink_codec.name == "int8"  # every process of a run composes the same math
-    assert mine.outer.lr == 0.5 and mine.codec.density == 0.01 and mine.error_feedback_decay == 0.95
+    assert mine.outer.lr == 0.5 and mine.codec.density == 0.01 and mine.error_feedback_decay == decay
     assert (plain.codec.name, plain.error_feedback_decay, plain.outer.momentum, plain.aggregate) == ("fp32", 1.0, 0.9, "mean")
