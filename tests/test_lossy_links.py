@@ -78,6 +78,8 @@ def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: P
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["codec_down"].startswith(codec_down.partition("+")[0]) and summary["codec_down"].endswith("+zstd(level=3)") == codec_down.endswith("+zstd")
     assert summary["codec"].startswith(name) and summary["hashes_equal"]
+    if "recipe=sparse" in extra:  # the recipe reached the processes: the coordinator averaged over senders
+        assert json.loads((tmp_path / "config.json").read_text())["aggregate"] == "nonzero"
     for w in (tmp_path / "workers").glob("*.json"):
         assert json.loads(w.read_text())["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in metrics}
     # Each round's uplink is the encoded size: exactly the codec's formula (zstd: at most it),
