@@ -1,9 +1,13 @@
-"""Byte-level text corpus: loading, held-out split and per-worker shards.
+"""Training corpus: loading, held-out split and per-worker shards.
 
-Tokens are raw UTF-8 bytes (vocabulary 256). The corpus is split once, by
-position and independently of any seed, into a train split and a held-out
-split; the train split is then cut into ``num_shards`` contiguous shards, one
-per DiLoCo site, each sampled by its own ``ShardSampler``.
+``data.format=bytes`` (default): tokens are raw UTF-8 bytes (vocabulary 256),
+read into memory. ``data.format=tokens``: one flat binary file of token ids
+(nanoGPT's format, little-endian uint16 or uint32), read through a read-only
+``numpy.memmap`` and never copied whole, since at LLM scale it is tens of GB.
+Either way the corpus is split once, by position and independently of any seed,
+into a train split and a held-out split; the train split is then cut into
+``num_shards`` contiguous shards, one per DiLoCo site, each sampled by its own
+``ShardSampler``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -21,6 +26,7 @@ __all__ = [
     "DataConfig",
     "DataError",
     "ShardSampler",
+    "TokenView",
     "eval_batches",
     "load_corpus",
     "shipped_corpus_files",
@@ -33,6 +39,16 @@ _FILE_SEPARATOR = b"\n\n"
 # The automatic block shrink aims for at least this many held-out blocks, so
 # the held-out split samples several regions of a small corpus, not one.
 _MIN_HELDOUT_BLOCKS = 4
+
+FORMATS = ("bytes", "tokens")
+BYTE_VOCAB = 256
+# nanoGPT writes native-endian ids; every machine it runs on is little-endian,
+# so the file format is pinned to little-endian here.
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+# The token id check reads the file in chunks of this many tokens, so it holds
+# only a few MiB at a time however large the file is.
+_SCAN_TOKENS = 1 << 22
 
 
 class DataError(ValueError):
@@ -52,8 +68,13 @@ class DataConfig:
     split. ``block_bytes``: block size for that split, shrunk automatically for
     small corpora but never below ``context + 1``.
     ``eval_batches``: held-out batches used per evaluation.
+    ``format``: ``"bytes"`` (the above) or ``"tokens"``: ``path`` is then one
+    flat binary file of token ids of type ``dtype`` (``"uint16"`` or
+    ``"uint32"``, little-endian, as nanoGPT's ``np.array(ids, dtype).tofile``
+    writes), each id below ``vocab_size``; ``block_bytes`` counts tokens.
     Invalid values raise ``ValueError`` whose message starts with
-    ``data.<field>=<value>:``.
+    ``data.<field>=<value>:``; a ``format=tokens`` config without a usable
+    path, dtype or vocab_size raises ``DataError`` (a ``ValueError``).
     """
 
     path: str | None = None
@@ -61,6 +82,9 @@ class DataConfig:
     heldout_every: int = 20
     block_bytes: int = 65536
     eval_batches: int = 8
+    format: str = "bytes"
+    dtype: str | None = None
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):
@@ -74,16 +98,99 @@ class DataConfig:
                 raise ValueError(f"data.{name}={value!r}: must be an integer")
             if value < minimum:
                 raise ValueError(f"data.{name}={value}: must be >= {minimum}")
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r}: must be one of {', '.join(FORMATS)}")
+        if self.format == "bytes":
+            # A leftover tokens setting would silently do nothing; say so instead.
+            if self.dtype is not None:
+                raise ValueError(f"data.dtype={self.dtype!r}: only for data.format=tokens; bytes are uint8, set it to null")
+            if self.vocab_size is not None and self.vocab_size != BYTE_VOCAB:
+                raise ValueError(
+                    f"data.vocab_size={self.vocab_size!r}: data.format=bytes has vocabulary {BYTE_VOCAB}; set it to null"
+                )
+            return
+        # Checked here, not in load_corpus, so a bad run config fails as it is parsed.
+        if self.path is None:
+            raise DataError("data.path is required for data.format=tokens (one flat binary file of token ids)")
+        if self.dtype not in TOKEN_DTYPES:
+            raise DataError(
+                f"data.dtype={self.dtype!r}: must be one of {', '.join(TOKEN_DTYPES)} for data.format=tokens "
+                f"(the type of each token id in data.path={self.path})"
+            )
+        vocab = self.vocab_size
+        if vocab is None or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise DataError(
+                f"data.vocab_size={vocab!r}: data.format=tokens needs the vocabulary size, an integer >= 1 "
+                f"(every token id in data.path={self.path} must be below it)"
+            )
+
+    @property
+    def vocab(self) -> int:
+        """Token ids are in ``[0, vocab)``: 256 for bytes, ``vocab_size`` for tokens.
+        The model's vocabulary must cover it."""
+        return BYTE_VOCAB if self.format == "bytes" else int(self.vocab_size)  # type: ignore[arg-type]
+
+
+class TokenView:
+    """One split (train or held-out) of a token file, as index arithmetic over its memmap.
+
+    The split is the file's blocks of ``block`` tokens whose index ``i`` has
+    ``i % every`` in ``[first, first + keep)``, in file order; no token is
+    copied until a window is gathered. Only the file's last block can be
+    partial, so split position ``p`` is file position
+    ``(p // (keep * block)) * every * block + first * block + p % (keep * block)``.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, block: int, every: int, first: int, keep: int, length: int) -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if block < 1 or every < 1 or not 0 <= first < first + keep <= every or length < 0:
+            raise ValueError(f"bad split: block={block}, every={every}, first={first}, keep={keep}, length={length}")
+        self._tokens = tokens
+        self._block = block
+        self._every = every
+        self._first = first
+        self._keep = keep
+        self._length = length
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole file (a read-only ``np.memmap`` from ``load_corpus``), shared by both splits."""
+        return self._tokens
+
+    def numel(self) -> int:
+        """Tokens in this split."""
+        return self._length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def file_positions(self, positions: np.ndarray) -> np.ndarray:
+        """File positions (int64) of split ``positions`` (any shape); raises ``IndexError`` outside the split."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self._length):
+            raise IndexError(f"split positions must be in [0, {self._length})")
+        span = self._keep * self._block
+        period, offset = np.divmod(positions, span)
+        return period * (self._every * self._block) + self._first * self._block + offset
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        """The tokens at split ``positions`` as an int64 tensor of the same shape; reads only those."""
+        where = self.file_positions(positions.numpy())
+        return torch.from_numpy(np.asarray(self._tokens[where]).astype(np.int64))
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """A loaded corpus. ``train`` and ``heldout`` are 1-D uint8 byte tensors."""
+    """A loaded corpus. ``train`` and ``heldout`` are 1-D uint8 byte tensors for
+    ``format=bytes`` and ``TokenView``s of one memmap for ``format=tokens``;
+    ``ShardSampler`` and ``eval_batches`` take either. Token ids are below ``vocab_size``."""
 
-    train: torch.Tensor
-    heldout: torch.Tensor
+    train: torch.Tensor | TokenView
+    heldout: torch.Tensor | TokenView
     source: str
     files: int
+    vocab_size: int = BYTE_VOCAB
 
 
 def shipped_corpus_files() -> list[Path]:
@@ -193,33 +300,102 @@ def _split(data: torch.Tensor, block: int, every: int) -> tuple[torch.Tensor, to
     return train, heldout
 
 
-def _split_fits(train: torch.Tensor, heldout: torch.Tensor, window: int, num_shards: int) -> bool:
+def _split_fits(
+    train: torch.Tensor | TokenView, heldout: torch.Tensor | TokenView, window: int, num_shards: int
+) -> bool:
     return heldout.numel() >= window and train.numel() // num_shards >= window
 
 
-def load_corpus(cfg: DataConfig, context: int, num_shards: int = 1) -> Corpus:
-    """Read the corpus named by ``cfg`` and split it into train and held-out bytes.
+def _split_views(tokens: np.ndarray, block: int, every: int) -> tuple[TokenView, TokenView]:
+    """``_split``'s rule as views: (train, heldout) without copying ``tokens``."""
+    full, rest = divmod(tokens.shape[0], block)
+    # Blocks every-1, 2*every-1, ... of the full ones, plus the partial last block if it is one.
+    heldout = (full // every) * block + (rest if full % every == every - 1 else 0)
+    train_view = TokenView(tokens, block=block, every=every, first=0, keep=every - 1, length=tokens.shape[0] - heldout)
+    heldout_view = TokenView(tokens, block=block, every=every, first=every - 1, keep=1, length=heldout)
+    return train_view, heldout_view
 
-    Files are concatenated in sorted order, separated by ``b"\\n\\n"``. Blocks
-    of the concatenation alternate deterministically: every
+
+def _check_token_ids(tokens: np.ndarray, cfg: DataConfig) -> None:
+    """Raises ``DataError`` naming the first token id >= vocab_size; one chunked pass over the file."""
+    vocab = cfg.vocab
+    if vocab > np.iinfo(tokens.dtype).max:
+        return  # every value the dtype can hold is a valid id
+    for start in range(0, tokens.shape[0], _SCAN_TOKENS):
+        part = tokens[start : start + _SCAN_TOKENS]
+        if int(part.max()) >= vocab:
+            index = int(np.argmax(part >= vocab))
+            offset = start + index
+            raise DataError(
+                f"data.path={cfg.path}: token {int(part[index])} at offset {offset} (token index; byte "
+                f"{offset * tokens.dtype.itemsize}) is >= data.vocab_size={vocab}; is data.dtype={cfg.dtype} "
+                "or data.vocab_size wrong?"
+            )
+
+
+def _load_tokens(cfg: DataConfig, context: int, num_shards: int) -> Corpus:
+    """``load_corpus`` for ``format=tokens``: memmap the file, check it, split it as views."""
+    assert cfg.path is not None and cfg.dtype is not None  # DataConfig checks both for tokens
+    where = cfg.path
+    path = Path(where).expanduser()
+    if not path.exists():
+        raise DataError(f"data.path={where}: no such file (data.format=tokens)")
+    if not path.is_file():
+        raise DataError(f"data.path={where}: not a regular file (data.format=tokens reads one flat binary file)")
+    dtype = TOKEN_DTYPES[cfg.dtype]
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise DataError(
+            f"data.path={where}: file size {size} bytes is not a multiple of {dtype.itemsize} "
+            f"(data.dtype={cfg.dtype}); is data.dtype right?"
+        )
+    total = size // dtype.itemsize
+    window = context + 1
+    _check_size(where, total, context, num_shards, cfg.heldout_every, "tokens")
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    except OSError as exc:
+        raise DataError(f"data.path={where}: cannot read: {exc.strerror or exc}") from exc
+    _check_token_ids(tokens, cfg)
+    block = max(window, min(cfg.block_bytes, total // (cfg.heldout_every * _MIN_HELDOUT_BLOCKS)))
+    train, heldout = _split_views(tokens, block, cfg.heldout_every)
+    if not _split_fits(train, heldout, window, num_shards):
+        train, heldout = _split_views(tokens, window, cfg.heldout_every)
+    source = f"{where} ({total} {cfg.dtype} tokens, vocabulary {cfg.vocab})"
+    return Corpus(train=train, heldout=heldout, source=source, files=1, vocab_size=cfg.vocab)
+
+
+def _check_size(where: str, total: int, context: int, num_shards: int, heldout_every: int, unit: str) -> None:
+    """DataError unless the held-out split and every shard can hold one window."""
+    needed = _min_corpus_bytes(context, num_shards, heldout_every)
+    if total < needed:
+        raise DataError(
+            f"data.path={where}: corpus too small: found {total} {unit}, need at least "
+            f"{needed} (held-out split and each of {num_shards} train shards must hold "
+            f"one window of context+1={context + 1} {unit}, with heldout_every={heldout_every})"
+        )
+
+
+def load_corpus(cfg: DataConfig, context: int, num_shards: int = 1) -> Corpus:
+    """Read the corpus named by ``cfg`` and split it into train and held-out tokens.
+
+    Bytes: files are concatenated in sorted order, separated by ``b"\\n\\n"``.
+    Tokens: the one file is memory-mapped and each id checked against
+    ``cfg.vocab_size``. Blocks of the corpus alternate deterministically: every
     ``cfg.heldout_every``-th block is held out. ``context`` is the model's
     sequence length; the held-out split and each of ``num_shards`` train shards
-    must hold at least one ``context + 1`` byte window, else ``DataError``.
+    must hold at least one ``context + 1`` token window, else ``DataError``.
     """
     if context < 1:
         raise ValueError(f"context={context}: must be >= 1")
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
+    if cfg.format == "tokens":
+        return _load_tokens(cfg, context, num_shards)
     raw, where, source, n_files = _read_corpus_bytes(cfg)
     total = len(raw)
     window = context + 1
-    needed = _min_corpus_bytes(context, num_shards, cfg.heldout_every)
-    if total < needed:
-        raise DataError(
-            f"data.path={where}: corpus too small: found {total} bytes, need at least "
-            f"{needed} (held-out split and each of {num_shards} train shards must hold "
-            f"one window of context+1={window} bytes, with heldout_every={cfg.heldout_every})"
-        )
+    _check_size(where, total, context, num_shards, cfg.heldout_every, "bytes")
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     block = max(window, min(cfg.block_bytes, total // (cfg.heldout_every * _MIN_HELDOUT_BLOCKS)))
     train, heldout = _split(data, block, cfg.heldout_every)
@@ -228,6 +404,13 @@ def load_corpus(cfg: DataConfig, context: int, num_shards: int = 1) -> Corpus:
         # once total >= needed.
         train, heldout = _split(data, window, cfg.heldout_every)
     return Corpus(train=train, heldout=heldout, source=source, files=n_files)
+
+
+def _windows(data: torch.Tensor | TokenView, positions: torch.Tensor) -> torch.Tensor:
+    """int64 tokens at ``positions`` of a split (a byte tensor or a token view)."""
+    if isinstance(data, TokenView):
+        return data.gather(positions)
+    return data[positions].long()
 
 
 def _shard_bounds(length: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -244,13 +427,14 @@ def _shard_seed(seed: int, shard: int) -> int:
 class ShardSampler:
     """Random training windows from one shard of the train split.
 
-    Shards are ``num_shards`` contiguous, disjoint ranges of ``corpus.train``;
-    windows never cross a shard boundary. Deterministic from ``(seed, shard)``.
+    Shards are ``num_shards`` contiguous, disjoint ranges of ``corpus.train``
+    (a byte tensor or a ``TokenView``); windows never cross a shard boundary.
+    Deterministic from ``(seed, shard)``.
     """
 
     def __init__(
         self,
-        train: torch.Tensor,
+        train: torch.Tensor | TokenView,
         *,
         shard: int,
         num_shards: int,
@@ -258,10 +442,14 @@ class ShardSampler:
         context: int,
         seed: int,
     ) -> None:
-        if train.dim() != 1 or train.dtype != torch.uint8:
+        if isinstance(train, TokenView):
+            unit = "tokens"
+        elif train.dim() != 1 or train.dtype != torch.uint8:
             raise ValueError(
-                f"train must be a 1-D uint8 tensor, got {train.dtype} {tuple(train.shape)}"
+                f"train must be a 1-D uint8 tensor or a TokenView, got {train.dtype} {tuple(train.shape)}"
             )
+        else:
+            unit = "bytes"
         if num_shards < 1 or not 0 <= shard < num_shards:
             raise ValueError(f"shard={shard}: must be in [0, num_shards={num_shards})")
         if batch_size < 1 or context < 1:
@@ -269,7 +457,7 @@ class ShardSampler:
         start, end = _shard_bounds(train.numel(), shard, num_shards)
         if end - start < context + 1:
             raise ValueError(
-                f"shard {shard} of {num_shards} holds {end - start} bytes, "
+                f"shard {shard} of {num_shards} holds {end - start} {unit}, "
                 f"fewer than one window of context+1={context + 1}"
             )
         self._train = train
@@ -284,25 +472,25 @@ class ShardSampler:
 
     @property
     def tokens_per_batch(self) -> int:
-        """Tokens (bytes) per batch: ``batch_size * context``."""
+        """Tokens per batch: ``batch_size * context``."""
         return self._batch_size * self._context
 
     @property
     def shard_range(self) -> tuple[int, int]:
-        """``[start, end)`` byte offsets of this shard in the train split."""
+        """``[start, end)`` positions of this shard in the train split."""
         return self._start, self._end
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``, int64 ``[batch_size, context]``; ``y`` is ``x`` shifted by one byte.
+        """``(x, y)``, int64 ``[batch_size, context]``; ``y`` is ``x`` shifted by one token.
 
-        Each row is a window of ``context + 1`` bytes starting uniformly at
+        Each row is a window of ``context + 1`` tokens starting uniformly at
         random inside the shard (so ``y[:, :-1] == x[:, 1:]``).
         """
         last_start = self._end - (self._context + 1)
         starts = torch.randint(
             self._start, last_start + 1, (self._batch_size,), generator=self._generator
         )
-        windows = self._train[starts[:, None] + self._offsets].long()
+        windows = _windows(self._train, starts[:, None] + self._offsets)
         return windows[:, :-1], windows[:, 1:]
 
     def skip(self, batches: int) -> None:
@@ -334,11 +522,12 @@ class ShardSampler:
 
 
 def eval_batches(
-    heldout: torch.Tensor, *, context: int, batch_size: int, num_batches: int
+    heldout: torch.Tensor | TokenView, *, context: int, batch_size: int, num_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic held-out batches ``(x, y)``, int64 ``[n, context]`` each.
 
-    Windows of ``context + 1`` bytes never overlap and are spread evenly from
+    ``heldout`` is a byte tensor or a ``TokenView``. Windows of ``context + 1``
+    tokens never overlap and are spread evenly from
     the start to the end of ``heldout``. Batch ``j`` takes every
     ``num_batches``-th window, so each batch spans the whole split. Returns
     ``num_batches`` batches of ``batch_size`` rows when the split is big
@@ -353,7 +542,7 @@ def eval_batches(
     available = heldout.numel() // window
     if available == 0:
         raise ValueError(
-            f"held-out split has {heldout.numel()} bytes, fewer than one window of {window}"
+            f"held-out split has {heldout.numel()} tokens, fewer than one window of {window}"
         )
     n_windows = min(available, batch_size * num_batches)
     if n_windows >= batch_size:
@@ -368,7 +557,7 @@ def eval_batches(
         # so floored starts stay non-overlapping while reaching the end.
         span = heldout.numel() - window
         starts = torch.arange(n_windows, dtype=torch.long) * span // (n_windows - 1)
-    windows = heldout[starts[:, None] + torch.arange(window)].long()
+    windows = _windows(heldout, starts[:, None] + torch.arange(window))
     return [
         (windows[j::n_batches, :-1].contiguous(), windows[j::n_batches, 1:].contiguous())
         for j in range(n_batches)
