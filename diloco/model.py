@@ -7,25 +7,44 @@ self-attention through ``F.scaled_dot_product_attention`` and a SwiGLU MLP.
 Every worker must start from bit-identical weights, so ``build_model`` derives
 the whole initialisation from an explicit seed and never touches (or depends
 on) the global RNG.
+
+Other models are chosen by config too (``model_config``): ``model=custom`` calls
+a user factory (``CustomModelConfig``), ``model=hf`` builds a Hugging Face causal
+LM from its config alone (``HFModelConfig``). Code that trains or evaluates any of
+them calls ``model_logits`` rather than ``model(x)``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
 import math
-from dataclasses import dataclass, fields, replace
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeAlias, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "MODEL_KINDS",
     "MODEL_SIZES",
+    "AnyModelConfig",
+    "CustomModelConfig",
+    "HFModelConfig",
     "ModelConfig",
     "Transformer",
     "build_model",
     "count_params",
+    "is_builtin",
     "lm_loss",
+    "load_factory",
     "model_config",
+    "model_logits",
 ]
 
 # GPT-2 initialisation scale for every weight matrix and the embedding.
@@ -101,25 +120,210 @@ MODEL_SIZES: dict[str, ModelConfig] = {
         n_heads=8,
         mlp_hidden=688,
     ),
+    # About 124M parameters, GPT-2 small's sizes (vocab padded to a multiple of 64) for GPU
+    # runs; with the SwiGLU MLP, mlp_hidden = 8/3 * d_model keeps GPT-2's MLP parameter count.
+    "base": ModelConfig(
+        name="base",
+        vocab_size=50304,
+        context=1024,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        mlp_hidden=2048,
+    ),
 }
 
 
-def model_config(name: str, **overrides: object) -> ModelConfig:
-    """Return the preset ``name`` from ``MODEL_SIZES`` with ``overrides`` applied.
+def _plain(value: object, where: str) -> Any:
+    """``value`` as JSON-able plain data (mappings become dicts, tuples lists).
 
-    Raises ``ValueError`` for an unknown size, an unknown override field, or an
-    override that fails ``ModelConfig`` validation.
+    Every process rebuilds the run's config from JSON, so a factory's kwargs or a
+    Hugging Face config must survive that trip and compare equal afterwards.
     """
-    if name not in MODEL_SIZES:
-        known = ", ".join(MODEL_SIZES)
-        raise ValueError(f"unknown model size {name!r} (model={name}); known: {known}")
-    known_fields = {f.name for f in fields(ModelConfig)}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}={value!r}: must be a finite number")
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} must be a string")
+            out[key] = _plain(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise ValueError(
+        f"{where}={value!r}: must be plain data (null, bool, number, string, list or mapping)"
+    )
+
+
+def _check_mapping(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}={value!r}: must be a mapping")
+    return _plain(value, where)
+
+
+def _check_count(value: object, where: str) -> None:
+    # bool is a subclass of int, so it has to be told apart explicitly.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}={value!r}: must be an integer")
+    if value < 1:
+        raise ValueError(f"{where}={value}: must be >= 1")
+
+
+def _check_name(value: object, expected: str) -> None:
+    if value != expected:
+        raise ValueError(f"model.name={value!r}: must be {expected!r} for model={expected}")
+
+
+def _json_hash(obj: object) -> int:
+    # The mapping fields are dicts (unhashable); their canonical JSON is not.
+    return hash(json.dumps(obj, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class CustomModelConfig:
+    """A model made by a user function (``model=custom``).
+
+    ``factory`` names it as ``"package.module:function"`` (an attribute path may
+    follow the colon, ``"pkg.mod:Class.create"``) or ``"package.module.function"``
+    (split at the last dot). ``build_model`` calls it with ``kwargs`` and nothing
+    else, so a factory that needs ``vocab_size`` or ``context`` gets them through
+    ``kwargs``. It must return an ``nn.Module`` with float32 CPU parameters that maps
+    token ids ``[B, T]`` (``T <= context``) to logits ``[B, T, vocab_size]``, as a
+    tensor, an object with ``.logits`` or a mapping with ``"logits"``.
+    ``kwargs`` must be plain data (it travels to every process as JSON).
+    """
+
+    name: str = "custom"
+    factory: str | None = None  # required; None only so that a missing one gets a clear error
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # None means {}
+    context: int = 128
+    vocab_size: int = 256
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "custom")
+        if self.factory is None or self.factory == "":
+            raise ValueError(
+                "model.factory is required for model=custom "
+                "(e.g. model.factory=package.module:function)"
+            )
+        if not isinstance(self.factory, str):
+            raise ValueError(
+                f"model.factory={self.factory!r}: must be a string 'package.module:function'"
+            )
+        # null (conf/model/custom.yaml's default, so that model.kwargs={...} can replace it
+        # under hydra's struct mode) means no kwargs.
+        kwargs = {} if self.kwargs is None else self.kwargs
+        object.__setattr__(self, "kwargs", _check_mapping(kwargs, "model.kwargs"))
+        _check_count(self.context, "model.context")
+        _check_count(self.vocab_size, "model.vocab_size")
+
+    def __hash__(self) -> int:
+        return _json_hash([self.name, self.factory, self.kwargs, self.context, self.vocab_size])
+
+
+# Where Hugging Face configs keep the longest sequence a model accepts.
+_HF_POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """A Hugging Face causal LM built from its config alone (``model=hf``; never downloaded).
+
+    ``config`` is what ``transformers.AutoConfig.for_model(**config)`` takes: it must
+    name ``model_type`` (llama, gpt2, ...) and ``vocab_size``. Its
+    ``max_position_embeddings`` (or ``n_positions``) must be >= ``context``, the
+    sequence length the data pipeline cuts.
+    """
+
+    name: str = "hf"
+    config: Mapping[str, Any] = field(default_factory=dict)
+    context: int = 128
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "hf")
+        config = _check_mapping(self.config, "model.config")
+        object.__setattr__(self, "config", config)
+        _check_count(self.context, "model.context")
+        model_type = config.get("model_type")
+        if model_type is None:
+            raise ValueError(
+                "model.config.model_type is required for model=hf (e.g. llama, gpt2)"
+            )
+        if not isinstance(model_type, str) or not model_type:
+            raise ValueError(f"model.config.model_type={model_type!r}: must be a non-empty string")
+        if "vocab_size" not in config:
+            raise ValueError(
+                "model.config.vocab_size is required for model=hf "
+                "(the data pipeline and the loss need the output width)"
+            )
+        _check_count(config["vocab_size"], "model.config.vocab_size")
+        for key in _HF_POSITION_KEYS:
+            if key in config:
+                _check_count(config[key], f"model.config.{key}")
+                _check_context(config[key], self.context, f"model.config.{key}")
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's output width, ``config["vocab_size"]``."""
+        return int(self.config["vocab_size"])
+
+    def __hash__(self) -> int:
+        return _json_hash([self.name, self.config, self.context])
+
+
+def _check_context(positions: int, context: int, where: str) -> None:
+    if positions < context:
+        raise ValueError(
+            f"{where}={positions}: the model accepts at most {positions} positions "
+            f"but model.context={context}; raise it or lower model.context"
+        )
+
+
+AnyModelConfig: TypeAlias = ModelConfig | CustomModelConfig | HFModelConfig
+
+# model=<name> choices besides the MODEL_SIZES presets.
+MODEL_KINDS: dict[str, type[CustomModelConfig] | type[HFModelConfig]] = {
+    "custom": CustomModelConfig,
+    "hf": HFModelConfig,
+}
+
+
+def is_builtin(cfg: AnyModelConfig) -> bool:
+    """True for the built-in Transformer, whose structure (blocks, q/k/v, gate/up) the
+    tensor- and pipeline-parallel layouts rely on."""
+    return isinstance(cfg, ModelConfig)
+
+
+def model_config(name: str, /, **overrides: object) -> AnyModelConfig:
+    """The config of ``model=<name>``.
+
+    ``tiny``, ``small`` and ``base`` are ``MODEL_SIZES`` presets with ``overrides``
+    applied; ``custom`` and ``hf`` build a ``CustomModelConfig`` / ``HFModelConfig``
+    from ``overrides``. Raises ``ValueError`` for an unknown name, an unknown
+    field, or a value that fails validation.
+    """
+    if name in MODEL_SIZES:
+        cls: type = ModelConfig
+    elif name in MODEL_KINDS:
+        cls = MODEL_KINDS[name]
+    else:
+        known = ", ".join([*MODEL_SIZES, *MODEL_KINDS])
+        raise ValueError(f"unknown model {name!r} (model={name}); known: {known}")
+    known_fields = {f.name for f in fields(cls)}
     for key in overrides:
         if key not in known_fields:
             raise ValueError(
-                f"model.{key}: unknown field; known: {', '.join(sorted(known_fields))}"
+                f"model.{key}: unknown field for model={name}; known: "
+                f"{', '.join(sorted(known_fields))}"
             )
-    return replace(MODEL_SIZES[name], **overrides)
+    if cls is ModelConfig:
+        return replace(MODEL_SIZES[name], **overrides)
+    return cls(**{"name": name, **overrides})
 
 
 def _rms_norm(dim: int, eps: float) -> nn.Module:
@@ -286,19 +490,196 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(flat, targets.reshape(-1).long())
 
 
-def build_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A CPU float32 ``Transformer`` whose weights depend only on ``(cfg, seed)``.
+@overload
+def build_model(cfg: ModelConfig, seed: int) -> Transformer: ...
+@overload
+def build_model(cfg: CustomModelConfig | HFModelConfig, seed: int) -> nn.Module: ...
+
+
+def build_model(cfg: AnyModelConfig, seed: int) -> nn.Module:
+    """A CPU float32 model whose weights depend only on ``(cfg, seed)``.
 
     The global RNG state is neither consumed nor consulted, so every worker
     calling this with the same arguments gets an identical ``state_dict()``.
+    Raises ``ValueError`` naming the field when a custom factory or a Hugging
+    Face config cannot give such a model.
     """
-    # Module constructors run their own default init from the global RNG;
-    # fork_rng restores it afterwards, and the explicit generator below then
-    # overwrites every parameter.
+    if isinstance(cfg, ModelConfig):
+        # Module constructors run their own default init from the global RNG;
+        # fork_rng restores it afterwards, and the explicit generator below then
+        # overwrites every parameter.
+        with torch.random.fork_rng(devices=[]):
+            model = Transformer(cfg)
+        model.reset_parameters(generator=torch.Generator().manual_seed(seed))
+        return model
+    if isinstance(cfg, CustomModelConfig):
+        return _build_custom(cfg, seed)
+    if isinstance(cfg, HFModelConfig):
+        return _build_hf(cfg, seed)
+    raise TypeError(f"build_model needs a model config, got {type(cfg).__name__}")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Run a third-party constructor, which initialises from the global RNG, from ``seed``.
+
+    Only the CPU generator is seeded (``torch.manual_seed`` would also reseed CUDA's,
+    which fork_rng(devices=[]) does not restore), and it is restored on exit.
+    """
     with torch.random.fork_rng(devices=[]):
-        model = Transformer(cfg)
-    model.reset_parameters(generator=torch.Generator().manual_seed(seed))
+        torch.random.default_generator.manual_seed(seed)
+        yield
+
+
+def _import_module(module: str, where: str) -> Any:
+    try:
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            # A console script (diloco-sim) does not put the working directory on sys.path
+            # the way `python -m` does; look there last, so that a factory module beside
+            # the run's config works either way.
+            cwd = os.getcwd()
+            ours = e.name is not None and e.name.split(".")[0] == module.split(".")[0]
+            if not ours or cwd in sys.path or "" in sys.path:
+                raise
+            sys.path.append(cwd)
+            return importlib.import_module(module)
+    except Exception as e:  # not found, or the module's own code raised while importing
+        raise ValueError(f"{where}: cannot import module {module!r} ({type(e).__name__}: {e})") from e
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The callable that ``model.factory`` names: ``"pkg.mod:fn"`` (an attribute path may
+    follow the colon) or ``"pkg.mod.fn"``. Imports from sys.path, then the working directory.
+    """
+    where = f"model.factory={spec!r}"
+    if ":" in spec:
+        module, _, attrs = spec.partition(":")
+        if not module or not attrs:
+            raise ValueError(f"{where}: must be 'package.module:function'")
+    elif "." in spec:
+        module, _, attrs = spec.rpartition(".")
+    else:
+        module, attrs = spec, ""
+    obj = _import_module(module, where)
+    if not attrs:
+        raise ValueError(f"{where}: names a module, not a function; write '{module}:function'")
+    for attr in attrs.split("."):
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError:
+            raise ValueError(
+                f"{where}: {type(obj).__name__} {getattr(obj, '__name__', module)!r} "
+                f"has no attribute {attr!r}"
+            ) from None
+    if not callable(obj):
+        raise ValueError(f"{where}: {attrs!r} is not callable (it is {type(obj).__name__} {obj!r:.60})")
+    return obj
+
+
+def _check_built(model: object, what: str) -> nn.Module:
+    """DiLoCo keeps θ as float32 CPU parameters; refuse anything else by name."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{what} returned {type(model).__name__}, which is not a torch.nn.Module")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{what} returned a {type(model).__name__} with no parameters")
+    dtypes = {p.dtype for p in params if p.dtype != torch.float32}
+    if dtypes:
+        got = ", ".join(sorted(str(d) for d in dtypes))
+        raise ValueError(f"{what} returned parameters of dtype {got}; they must all be float32")
+    devices = {str(p.device) for p in params if p.device.type != "cpu"}
+    if devices:
+        got = ", ".join(sorted(devices))
+        raise ValueError(f"{what} returned parameters on {got}; build them on the CPU (layouts move them)")
     return model
+
+
+def _build_custom(cfg: CustomModelConfig, seed: int) -> nn.Module:
+    assert cfg.factory is not None  # __post_init__ refuses None
+    factory = load_factory(cfg.factory)
+    what = f"model.factory={cfg.factory!r}"
+    try:
+        with _seeded(seed):
+            model = factory(**cfg.kwargs)
+    except Exception as e:
+        raise ValueError(
+            f"{what}: the call with model.kwargs={cfg.kwargs!r} raised {type(e).__name__}: {e}"
+        ) from e
+    return _check_built(model, what)
+
+
+_HF_MISSING = "model=hf needs the Hugging Face extra: pip install -e '.[hf]' (transformers is not installed)"
+
+
+def _build_hf(cfg: HFModelConfig, seed: int) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(_HF_MISSING) from None
+    model_type = cfg.config["model_type"]
+    where = f"model.config.model_type={model_type!r}"
+    try:
+        # Training never reuses attention caches; keeping them would only cost memory.
+        hf_config = transformers.AutoConfig.for_model(**{"use_cache": False, **cfg.config})
+    except Exception as e:
+        mapping = getattr(transformers, "CONFIG_MAPPING", None)
+        if mapping is not None and model_type not in mapping:
+            raise ValueError(
+                f"{where}: transformers {transformers.__version__} does not know this model type"
+            ) from e
+        raise ValueError(
+            f"model.config: transformers cannot make a {model_type} config from it "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    for key in _HF_POSITION_KEYS:
+        positions = getattr(hf_config, key, None)
+        if isinstance(positions, int):
+            # Also catches a default the config left out (llama: 2048, gpt2: 1024).
+            given = "" if key in cfg.config else f" (transformers' default for {model_type})"
+            _check_context(positions, cfg.context, f"model.config.{key}{given}")
+            break
+    try:
+        with _seeded(seed):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except Exception as e:
+        raise ValueError(
+            f"{where}: transformers cannot build a causal LM from model.config "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    return _check_built(model, f"model=hf ({type(model).__name__})")
+
+
+def model_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``model(x)``'s next-token logits ``[B, T, vocab]``, whatever the model wraps them in.
+
+    The built-in Transformer and most custom models return the tensor; Hugging Face
+    models a ModelOutput with ``.logits``; some models a mapping with ``"logits"``.
+    """
+    out = model(x)
+    if isinstance(out, torch.Tensor):
+        logits = out
+    elif isinstance(getattr(out, "logits", None), torch.Tensor):
+        logits = out.logits
+    elif isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        logits = out["logits"]
+    else:
+        got = type(out).__name__
+        if isinstance(out, Mapping):
+            got += f" with keys {sorted(map(str, out))}"
+        elif isinstance(out, (tuple, list)):
+            got += f" of {len(out)}"
+        raise TypeError(
+            f"{type(model).__name__} returned {got}; expected logits [B, T, vocab]: a tensor, "
+            f"an object with .logits (a Hugging Face ModelOutput) or a mapping with 'logits'"
+        )
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(x.shape[:2]):
+        raise ValueError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for input "
+            f"{tuple(x.shape)}; expected [B, T, vocab] = [{x.shape[0]}, {x.shape[1]}, vocab]"
+        )
+    return logits
 
 
 def count_params(model: nn.Module) -> int:

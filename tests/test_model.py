@@ -29,7 +29,7 @@ def test_small_param_count_between_five_and_ten_million() -> None:
 
 
 def test_known_sizes() -> None:
-    assert set(MODEL_SIZES) == {"tiny", "small"}
+    assert set(MODEL_SIZES) == {"tiny", "small", "base"}
     assert model_config("small").name == "small"
 
 
