@@ -6,13 +6,13 @@
 
 from typing import Any
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "RunFinished", "RunFinishedWarning"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing diloco.model or diloco.outer does not pull in grpc.
-    if name == "DiLoCo":
-        from diloco.api import DiLoCo
+    if name in __all__:
+        import diloco.api
 
-        return DiLoCo
+        return getattr(diloco.api, name)
     raise AttributeError(name)

@@ -1,15 +1,26 @@
 """DiLoCo for an existing PyTorch loop, in three added lines::
 
     from diloco import DiLoCo
-    with DiLoCo(model, optimizer, coordinator="10.0.0.1:50051", site_id="eu-1", sync_every=100):
-        for x, y in loader:          # the user's loop, unchanged
-            ...; loss.backward(); optimizer.step(); optimizer.zero_grad()
+    with DiLoCo(model, optimizer, coordinator="10.0.0.1:50051", site_id="eu-1", sync_every=100) as dl:
+        for x, y in loader:          # the user's loop, unchanged but for the marked lines
+            loss = loss_fn(model(x), y); loss.backward()
+            dl.record_loss(loss, tokens=x.numel())   # optional: the step's loss and tokens, BEFORE optimizer.step()
+            optimizer.step(); optimizer.zero_grad()
+            if dl.finished:          # optional: stop after the coordinator's last round
+                break
 
-On entry the model is loaded with the coordinator's global parameters. A post-step hook on
-the optimizer counts inner steps; every ``sync_every`` steps it pushes the pseudo-gradient,
-waits for the round, and loads the new global parameters into the model. The optimizer's
-state is the inner state and stays with the site. After the coordinator's last round the
-hook stops syncing; on exit the site leaves the run.
+On entry the model is loaded with the coordinator's global parameters (in place, on whatever
+device they are). A post-step hook on the optimizer counts inner steps; every ``sync_every``
+steps it pushes the pseudo-gradient, waits for the round, and loads the new global parameters
+into the model. The optimizer's state is the inner state and stays with the site. After the
+coordinator's last round the hook stops syncing: the next optimizer step warns once that the
+run is finished and steps are local only (``after_last_round="raise"``: raises ``RunFinished``
+instead); on exit the site leaves the run.
+
+Each step's averaging weight is the tokens given to ``add_tokens(n)`` (or
+``record_loss(loss, tokens=n)``) since the previous step, or ``tokens_per_step`` when none were
+given. ``dropped_rounds``, ``merged_rounds`` and ``rejoins`` tell which rounds went on without
+this site's work.
 
 Trainer plug-ins (diloco.plugins) drive the same object by hand instead: ``join()`` when
 training starts, ``after_step()`` after every optimizer step (or ``step_done()`` and
@@ -19,6 +30,10 @@ training starts, ``after_step()`` after every optimizer step (or ``step_done()``
 from __future__ import annotations
 
 import math
+import operator
+import os
+import sys
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +43,20 @@ from torch import nn
 from diloco.codec import CodecConfig
 from diloco.site.outer_sync import OuterSync
 from diloco.transport import CoordinatorClient
+
+AFTER_LAST_ROUND = ("warn", "raise")
+
+
+class RunFinished(RuntimeError):
+    """Raised by the ``with`` form's step hook for an optimizer step taken after the
+    coordinator's last round, when ``after_last_round="raise"``. The step itself has been
+    taken (locally; nothing is synced any more). Leaving the ``with`` block with this
+    exception still leaves the run cleanly."""
+
+
+class RunFinishedWarning(UserWarning):
+    """Warned (once per ``DiLoCo`` object) for the first optimizer step after the
+    coordinator's last round, when ``after_last_round="warn"`` (the default)."""
 
 
 def check_site_args(site_id: object, sync_every: object, tokens_per_step: object = 1) -> None:
@@ -42,12 +71,68 @@ def check_site_args(site_id: object, sync_every: object, tokens_per_step: object
         raise ValueError(f"tokens_per_step={tokens_per_step!r}: must be >= 1")
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_sync_args(error_feedback: object = True, error_feedback_decay: object = 1.0, round_timeout_s: object = 3600.0) -> None:
+    """Raises ValueError, naming the argument, for an ``error_feedback`` that is not a bool,
+    an ``error_feedback_decay`` outside [0, 1] or a ``round_timeout_s`` that is not > 0
+    (``math.inf``: wait for ever)."""
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback={error_feedback!r}: must be True or False")
+    if not (_is_number(error_feedback_decay) and 0.0 <= error_feedback_decay <= 1.0):  # type: ignore[operator]
+        raise ValueError(f"error_feedback_decay={error_feedback_decay!r}: must be a number in [0, 1]")
+    if not (_is_number(round_timeout_s) and round_timeout_s > 0):  # type: ignore[operator]  (NaN fails too)
+        raise ValueError(f"round_timeout_s={round_timeout_s!r}: must be a number of seconds > 0")
+
+
+def _check_tokens(n: object, name: str = "tokens") -> int:
+    """``n`` as an int, or ValueError naming ``name`` unless it is an integer >= 0 (a Python
+    or NumPy int, or a one-element integer tensor; not a bool or a float)."""
+    if not isinstance(n, bool):
+        try:
+            value = operator.index(n)  # type: ignore[arg-type]
+        except (TypeError, RuntimeError, ValueError):
+            pass
+        else:
+            if value >= 0:
+                return value
+    raise ValueError(f"{name}={n!r}: must be an integer >= 0")
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame, above the function that calls this one, outside
+    this module and torch (the user's ``optimizer.step()`` line), for ``warnings.warn``."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, __file__)
+    frame, level = sys._getframe(2), 2  # level 1: the caller, which warns; 2: its caller
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
+
+
 class DiLoCo:
     """Makes the caller's training loop a DiLoCo site.
 
-    ``tokens_per_step`` is the averaging weight of one inner step (the default 1 weights the
-    sites by their step counts). ``record_loss(loss)`` is optional: the mean of the recorded
-    losses over a round is reported to the coordinator's metrics.
+    ``tokens_per_step`` is the averaging weight of one inner step when the loop gives no
+    token count (the default 1 weights the sites by their step counts); ``add_tokens(n)``
+    gives the real count of a step. ``record_loss(loss)`` is optional: the mean of the
+    recorded losses over a round is reported to the coordinator's metrics.
+
+    ``codec``, ``error_feedback`` (carry what a lossy codec dropped into the next push; no
+    effect with the lossless ``fp32``), ``error_feedback_decay`` (β in [0, 1]: the share of
+    the last residual added) and ``round_timeout_s`` (how long a site waits for a round to
+    be committed before ``end_round`` raises) are the site's sync settings (see OuterSync).
+
+    ``after_last_round``: what the ``with`` form's step hook does with an optimizer step
+    taken after the coordinator's last round (the step is local only: nothing is synced
+    any more): ``"warn"`` (default) warns once (``RunFinishedWarning``), ``"raise"`` raises
+    ``RunFinished`` from ``optimizer.step()`` (the step has been taken). Test ``finished``
+    to stop the loop. The explicit calls (``after_step``, used by the plug-ins) neither
+    warn nor raise: they count the step and return False.
+
+    The model is never moved: the global θ is loaded into its parameters in place, on
+    whatever device they are.
 
     ``optimizer`` is needed only for the ``with`` form (its post-step hook counts the
     steps); without it, call ``join()``, ``after_step()`` and ``leave()`` yourself.
@@ -63,37 +148,70 @@ class DiLoCo:
         sync_every: int,
         tokens_per_step: int = 1,
         codec: CodecConfig | str = "fp32",
+        error_feedback: bool = True,
+        error_feedback_decay: float = 1.0,
+        round_timeout_s: float = 3600.0,
+        after_last_round: str = "warn",
         connect_timeout_s: float = 120.0,
     ) -> None:
         check_site_args(site_id, sync_every, tokens_per_step)
+        check_sync_args(error_feedback, error_feedback_decay, round_timeout_s)
+        if after_last_round not in AFTER_LAST_ROUND:
+            raise ValueError(f"after_last_round={after_last_round!r}: must be one of {', '.join(map(repr, AFTER_LAST_ROUND))}")
         self.model = model
         self.optimizer = optimizer
         self.sync_every = sync_every
         self.tokens_per_step = tokens_per_step
+        self.after_last_round = after_last_round
         self._client = CoordinatorClient(coordinator, connect_timeout_s=connect_timeout_s)
-        self.sync = OuterSync(model, self._client, str(site_id), codec=codec)
+        self.sync = OuterSync(
+            model, self._client, str(site_id), codec=codec,
+            error_feedback=error_feedback, error_feedback_decay=float(error_feedback_decay), round_timeout_s=float(round_timeout_s),
+            sync_every=sync_every,  # the coordinator refuses a site whose H is not the run's
+        )  # fmt: skip
         self._hook: Any = None
         self._steps_in_round = 0
         self._tokens_in_round = 0
+        self._pending_tokens: int | None = None  # add_tokens() since the last step; None: none added
         self._losses: list[float] = []
+        self._warned = False
         self.steps = 0
+        self.steps_after_last_round = 0  # optimizer steps counted after the coordinator's last round (local only)
 
     # ---- the with form -------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
         if self.optimizer is None:
             raise ValueError("optimizer=None: the with form needs the optimizer (to count its steps)")
         self.join()
-        self._hook = self.optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_step())
+        self._hook = self.optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self._optimizer_stepped())
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if exc_type is None:
-            self.leave()
+        if exc_type is None or issubclass(exc_type, RunFinished):
+            self.leave()  # RunFinished: the run itself is over and fine; the exception goes on
         else:
             self.close()
+
+    def _optimizer_stepped(self) -> None:
+        """The optimizer's post-step hook: counts the step (ending the round when it is due);
+        after the last round, warns once or raises, as ``after_last_round`` says."""
+        late = self.sync.finished
+        self.after_step()
+        if not late:
+            return
+        message = (
+            f"DiLoCo site {self.sync.site_id!r}: optimizer step after the coordinator's last round "
+            f"({self.sync.total_rounds} rounds done): the run is finished and this step is local only; "
+            f"stop the loop when dl.finished is True"
+        )
+        if self.after_last_round == "raise":
+            raise RunFinished(message)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, RunFinishedWarning, stacklevel=_caller_stacklevel())
 
     # ---- explicit calls ------------------------------------------------------------------
     def join(self) -> None:
@@ -105,28 +223,49 @@ class DiLoCo:
             self.close()
             raise
 
+    def add_tokens(self, n: int) -> None:
+        """Adds ``n`` (an integer >= 0) to the tokens the current inner step trains on: call it
+        before ``optimizer.step()`` (e.g. once per micro-batch with gradient accumulation).
+        The next counted step takes the sum of what was added since the previous step as its
+        averaging weight, instead of ``tokens_per_step``; a step with nothing added falls back
+        to ``tokens_per_step``. Tokens added after the step count toward the next one."""
+        n = _check_tokens(n, "n")
+        self._pending_tokens = (self._pending_tokens or 0) + n
+
     def after_step(self, tokens: int | None = None) -> bool:
-        """Counts one inner (optimizer) step that saw ``tokens`` tokens (default
-        ``tokens_per_step``); every ``sync_every`` steps ends the round (see ``end_round``).
-        Returns True when this step ended a round. After the last round it only counts."""
+        """Counts one inner (optimizer) step that saw ``tokens`` tokens (default: those added
+        with ``add_tokens`` since the last step, else ``tokens_per_step``); every
+        ``sync_every`` steps ends the round (see ``end_round``). Returns True when this step
+        ended a round. After the last round it only counts."""
         if self.step_done(tokens):
             self.end_round()
             return True
         return False
 
     def step_done(self, tokens: int | None = None) -> bool:
-        """Counts one inner step that saw ``tokens`` tokens (default ``tokens_per_step``).
-        Returns True when the round is due: the caller must then call ``end_round()``."""
+        """Counts one inner step that saw ``tokens`` tokens (default: those added with
+        ``add_tokens`` since the last step, else ``tokens_per_step``; a given count wins over
+        the added ones, which are then discarded). Returns True when the round is due: the
+        caller must then call ``end_round()``."""
+        if tokens is None:
+            tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
+        else:
+            tokens = _check_tokens(tokens)
+        self._pending_tokens = None
         self.steps += 1
         if self.sync.finished:
+            self.steps_after_last_round += 1
             return False
         self._steps_in_round += 1
-        self._tokens_in_round += self.tokens_per_step if tokens is None else tokens
+        self._tokens_in_round += tokens
         return self._steps_in_round >= self.sync_every
 
     def end_round(self) -> None:
         """Pushes the pseudo-gradient (weighted by the round's tokens, with the mean recorded
-        loss), waits for the round to be committed and loads the new global θ."""
+        loss), waits for the round to be committed (at most ``round_timeout_s``) and loads the
+        new global θ. If the round was committed without this push (too late), or the site was
+        evicted, the round's work is dropped (see ``dropped_rounds``) and the site goes on
+        from the coordinator's current θ."""
         loss = sum(self._losses) / len(self._losses) if self._losses else math.nan
         self.sync.sync(tokens=max(self._tokens_in_round, 1), train_loss=loss, inner_steps=self._steps_in_round)
         self._steps_in_round = 0
@@ -145,14 +284,46 @@ class DiLoCo:
         self.sync.close()
         self._client.close()
 
-    def record_loss(self, loss: torch.Tensor | float) -> None:
-        self._losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+    def record_loss(self, loss: torch.Tensor | float, tokens: int | None = None) -> None:
+        """Records a training loss (a number, or a one-element tensor on any device) for the
+        round's mean loss; ``tokens=n`` also calls ``add_tokens(n)`` (then call it before
+        ``optimizer.step()``)."""
+        if tokens is not None:
+            tokens = _check_tokens(tokens)
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._losses.append(value)
+        if tokens is not None:
+            self._pending_tokens = (self._pending_tokens or 0) + tokens
 
     @property
     def round(self) -> int:
         return self.sync.round
 
     @property
+    def total_rounds(self) -> int:
+        """The coordinator's number of rounds (known after joining)."""
+        return self.sync.total_rounds
+
+    @property
     def finished(self) -> bool:
         """True once the coordinator's last round is done: there is nothing left to sync."""
         return self.sync.finished
+
+    @property
+    def dropped_rounds(self) -> list[int]:
+        """The rounds committed without this site's push (it came too late, or the site had
+        been evicted): their local work did not count, and the site went on from the
+        coordinator's θ. Empty when every push counted."""
+        return list(self.sync.dropped_rounds)
+
+    @property
+    def merged_rounds(self) -> list[int]:
+        """The rounds whose push came late but was merged, discounted, into a later round
+        (coordinator option ``late="merge"``): the work counted, the site then went on from
+        the coordinator's θ."""
+        return list(self.sync.merged_rounds)
+
+    @property
+    def rejoins(self) -> int:
+        """How many times the site had to join the run again (it had been evicted)."""
+        return self.sync.rejoins

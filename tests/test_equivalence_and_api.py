@@ -3,10 +3,12 @@
 - a plain hand-written loop becomes a site with three added lines (diloco.DiLoCo)."""
 
 import threading
+import warnings
 
 import pytest
 import torch
 
+from diloco.api import RunFinishedWarning
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, lm_loss, model_config
@@ -95,13 +97,18 @@ def test_plain_loop_with_three_added_lines_trains_against_a_real_coordinator() -
 
     threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(100)
+        # The step after the last round is local only: each site warns once (after_last_round="warn").
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(100)
     finally:
         server.stop(grace=None).wait(5)
     assert not errors, errors
+    late = sorted(str(w.message) for w in warned if issubclass(w.category, RunFinishedWarning))
+    assert len(late) == 2 and "site '0'" in late[0] and "site '1'" in late[1], late
     assert coord.committed_rounds == 3
     assert out["rounds0"] == out["rounds1"] == 3
     assert out["hash0"] == out["hash1"] == coord.global_sha256()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from diloco.api import DiLoCo, check_site_args
+from diloco.api import DiLoCo, check_site_args, check_sync_args
 from diloco.codec import CodecConfig
 
 
 class SiteSettings:
-    """The arguments every plug-in takes (see its class docstring), checked when given."""
+    """The arguments every plug-in takes (see its class docstring), checked when given.
+
+    ``error_feedback``, ``error_feedback_decay`` and ``round_timeout_s`` are the site's sync
+    settings, as for ``diloco.DiLoCo`` (keyword-only).
+    """
 
     def __init__(
         self,
@@ -19,21 +23,30 @@ class SiteSettings:
         codec: CodecConfig | str = "fp32",
         tokens_per_step: int | None = None,
         *,
+        error_feedback: bool = True,
+        error_feedback_decay: float = 1.0,
+        round_timeout_s: float = 3600.0,
         connect_timeout_s: float = 120.0,
     ) -> None:
         check_site_args(site_id, sync_every, tokens_per_step)
+        check_sync_args(error_feedback, error_feedback_decay, round_timeout_s)
         self.coordinator = coordinator
         self.site_id = str(site_id)
         self.sync_every = sync_every
         self.codec = codec
         self.tokens_per_step = tokens_per_step  # None: the plug-in counts the tokens of each step
+        self.error_feedback = error_feedback
+        self.error_feedback_decay = error_feedback_decay
+        self.round_timeout_s = round_timeout_s
         self.connect_timeout_s = connect_timeout_s
 
     def join(self, model: nn.Module) -> DiLoCo:
         """Joins the run as this site and loads the global θ into ``model`` (in place)."""
         site = DiLoCo(
             model, None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
-            tokens_per_step=self.tokens_per_step or 1, codec=self.codec, connect_timeout_s=self.connect_timeout_s,
+            tokens_per_step=self.tokens_per_step or 1, codec=self.codec, error_feedback=self.error_feedback,
+            error_feedback_decay=self.error_feedback_decay, round_timeout_s=self.round_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
         )  # fmt: skip
         site.join()  # closes the connection again if it fails
         return site

@@ -41,6 +41,10 @@ class DiLoCoCallback(TrainerCallback, SiteSettings):
     gradient accumulation) the number of ones in ``attention_mask`` if it is given, else
     the number of elements of the model's main input (``input_ids``); a step in which none
     was seen counts 1. An int gives every step that weight.
+
+    Arguments (see ``SiteSettings``): ``coordinator``, ``site_id``, ``sync_every``, ``codec``,
+    ``tokens_per_step``, and keyword-only the sync settings of ``diloco.DiLoCo``:
+    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -45,6 +45,10 @@ class DiLoCoLightningCallback(Callback, SiteSettings):
     the elements of its integer token tensor (the batch itself, a tuple/list batch's first
     element, or a dict batch's ``"input_ids"``); a step in which none was found counts 1.
     An int gives every step that weight.
+
+    Arguments (see ``SiteSettings``): ``coordinator``, ``site_id``, ``sync_every``, ``codec``,
+    ``tokens_per_step``, and keyword-only the sync settings of ``diloco.DiLoCo``:
+    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
