@@ -14,17 +14,40 @@ from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.faults import FaultsConfig, fault_to_dict
-from diloco.model import ModelConfig, model_config
+from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
 from diloco.outer import AGGREGATES, OuterConfig
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
 
 MODES = ("diloco", "ddp", "single")
+INIT_SOURCES = ("model", "site", "file")
+EVAL_BY = ("auto", "coordinator", "sites")
+DEVICES = ("auto", "cpu", "cuda")
+# Layouts that cut the built-in transformer's own modules (heads, MLP halves, pipeline stages).
+BUILTIN_ONLY_LAYOUTS = ("tp2", "tp2_fsdp2", "pp2")
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Where θ₀ comes from (config group ``init``): ``model``, built from the run's model config;
+    ``site``, the first site that joins uploads its parameters (the coordinator needs no model);
+    ``file``, a ``.safetensors`` file or a ``torch.save`` state dict at ``path``."""
+
+    source: str = "model"
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in INIT_SOURCES:
+            raise ConfigError(f"init={self.source!r}: must be one of {', '.join(INIT_SOURCES)}")
+        if self.source == "file" and not self.path:
+            raise ConfigError("init=file needs init.path=FILE (a .safetensors file or a torch.save state dict)")
+        if self.source != "file" and self.path is not None:
+            raise ConfigError(f"init.path={self.path!r}: only init=file reads a file (init={self.source})")
 
 
 @dataclass(frozen=True)
@@ -40,7 +63,7 @@ class RunConfig:
     sync_every: int = 50
     rounds: int = 10
     seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: AnyModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -58,6 +81,11 @@ class RunConfig:
     threads: int = 1  # torch intra-op threads per process
     layout: LayoutConfig = field(default_factory=LayoutConfig)  # how each site lays out its model over its ranks
     site_layouts: tuple[str, ...] | None = None  # per site, overriding layout.name (diloco-sim: one entry per site)
+    init: InitConfig = field(default_factory=InitConfig)  # where θ₀ comes from
+    eval_by: str = "auto"  # who evaluates θ: auto (the coordinator when it can, else the sites) | coordinator | sites
+    device: str = "auto"  # where sites train: auto (cuda when available) | cpu | cuda (rank r of a site on cuda:LOCAL_RANK)
+    compile: bool = False  # torch.compile the model each site trains
+    tf32: bool = True  # CUDA: TensorFloat-32 for float32 matmuls and convolutions
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,6 +106,18 @@ class RunConfig:
             raise ConfigError(f"error_feedback_decay={self.error_feedback_decay!r}: must be a number in [0, 1]")
         if self.aggregate not in AGGREGATES:
             raise ConfigError(f"aggregate={self.aggregate!r}: must be one of {', '.join(AGGREGATES)}")
+        if self.eval_by not in EVAL_BY:
+            raise ConfigError(f"eval_by={self.eval_by!r}: must be one of {', '.join(EVAL_BY)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r}: must be one of {', '.join(DEVICES)}")
+        for name in ("compile", "tf32"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be true or false")
+        if self.init.source == "site" and self.eval_by == "coordinator":
+            raise ConfigError("eval_by=coordinator: with init=site the coordinator does not know the model; use eval_by=auto or sites")
+        if self.data.vocab > self.model.vocab_size:
+            what = f"data.vocab_size={self.data.vocab}" if self.data.format == "tokens" else "256 (data.format=bytes)"
+            raise ConfigError(f"model.vocab_size={self.model.vocab_size}: the model's embedding is smaller than the data's vocabulary, {what}: token ids would fall outside it")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
         try:
@@ -91,6 +131,11 @@ class RunConfig:
                 object.__setattr__(self, "site_layouts", names)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if not is_builtin(self.model):
+            for n in {self.layout_of(s).name for s in range(self.sites)} & set(BUILTIN_ONLY_LAYOUTS):
+                raise ConfigError(f"layout={n}: cuts the built-in transformer's modules; model={self.model.name} runs with single, ddp2 or fsdp2")
+            if self.layout.activation_checkpointing:
+                raise ConfigError(f"layout.activation_checkpointing=true: wraps the built-in transformer's blocks; not available for model={self.model.name}")
         for field_name in ("codec", "codec_down"):
             value = getattr(self, field_name)
             if value is None and field_name == "codec_down":
@@ -140,7 +185,8 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
         guard = _build(GuardConfig, d.pop("guard", {}), "guard")
         faults = _build(FaultsConfig, d.pop("faults", {}), "faults")
-        sections = {"model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "faults": faults}
+        init = _build(InitConfig, d.pop("init", {}), "init")
+        sections = {"model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "faults": faults, "init": init}
         return _build(RunConfig, {**d, **sections}, "")
     except ConfigError:
         raise

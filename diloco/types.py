@@ -39,6 +39,27 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class SiteEval:
+    """A site's held-out loss of the global θ after ``round`` (evaluation by sites)."""
+
+    round: int
+    loss: float  # nats per token
+    tokens: int  # > 0: the loss is the mean over this many tokens
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """What a site says when it joins: who it is, its model's fingerprint, and the settings
+    that must agree with the coordinator's (0 / "" where the site does not say)."""
+
+    site_id: str
+    specs: tuple[TensorSpec, ...]
+    can_upload: bool = False  # it can send its whole parameters as θ₀ (init=site)
+    sync_every: int = 0
+    codec: str = ""
+
+
+@dataclass(frozen=True)
 class PushHeader:
     """What a site says about its pseudo-gradient before the chunks follow."""
 
@@ -49,6 +70,7 @@ class PushHeader:
     inner_steps: int
     part: int = 0  # a sharded site pushes `parts` parts (one per rank), each with its own slices
     parts: int = 1
+    eval: SiteEval | None = None  # the site's evaluation of the global θ of an earlier round
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,8 @@ class JoinInfo:
     total_rounds: int
     run_id: str
     lease_s: float = 60.0  # the coordinator evicts a site silent this long
+    upload_init: bool = False  # init=site: this site must upload its parameters as θ₀, then pull
+    eval_every: int = 0  # evaluation by sites: evaluate the global θ after every k-th round (0: never)
 
 
 @dataclass(frozen=True)

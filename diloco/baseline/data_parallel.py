@@ -8,6 +8,7 @@ metrics.jsonl with one line per block of sync_every steps, like a DiLoCo round.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.io import append_jsonl, peak_rss_mb, write_json_atomic
 from diloco.model import build_model, count_params
 from diloco.outer import params_sha256
-from diloco.site.inner import InnerTrainer, evaluate_bpb
+from diloco.site.inner import InnerTrainer, evaluate_loss
 
 
 def run_data_parallel(
@@ -57,6 +58,8 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     start = time.monotonic()
     round_start = start
     final_eval: float | None = None
+    final_loss: float | None = None
+    to_bpb = 1 / math.log(2) if cfg.data.format == "bytes" else None  # bits per byte only where tokens are bytes
     for r in range(cfg.rounds):
         losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
         loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
@@ -65,10 +68,13 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
             loss /= world_size
         if rank == 0:
             last = r + 1 == cfg.rounds
-            eval_bpb = evaluate_bpb(model, batches) if last or (r + 1) % cfg.eval_every == 0 else None
+            eval_loss = evaluate_loss(model, batches)[0] if last or (r + 1) % cfg.eval_every == 0 else None
+            eval_bpb = eval_loss * to_bpb if eval_loss is not None and to_bpb is not None else None
             final_eval = eval_bpb if last else final_eval
+            final_loss = eval_loss if last else final_loss
             now = time.monotonic()
             line = _metrics_line(cfg, r, world_size, sampler.tokens_per_batch, grad_bytes_per_step, float(loss), eval_bpb, model)
+            line.update(eval_loss=eval_loss, eval_by="coordinator" if eval_loss is not None else None)
             append_jsonl(run_dir / "metrics.jsonl", {**line, "wall_s": round(now - round_start, 4), "elapsed_s": round(now - start, 4)})
             round_start = now
             log(f"{cfg.mode} round {r} done: train_loss={float(loss):.4f}" + (f" eval_bpb={eval_bpb:.4f}" if eval_bpb is not None else ""))
@@ -89,7 +95,7 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     if rank == 0:
         write_json_atomic(
             run_dir / "global.json",
-            {"params": params, "rounds_committed": cfg.rounds, "global_sha256": digest, "final_eval_bpb": final_eval, "wall_s": result["wall_s"], "peak_rss_mb": peak_rss_mb()},
+            {"params": params, "rounds_committed": cfg.rounds, "global_sha256": digest, "final_eval_bpb": final_eval, "final_eval_loss": final_loss, "wall_s": result["wall_s"], "peak_rss_mb": peak_rss_mb()},
         )
     return result
 

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from diloco.checkpoint import CheckpointError
 from diloco.cli.common import fail, run_config, run_dir, section
 from diloco.config import ConfigError
+from diloco.coordinator.init_file import InitFileError
 from diloco.coordinator.run import CoordinatorOptions, run_coordinator
 from diloco.data import DataError
 from diloco.io import exit_process
@@ -22,6 +23,8 @@ def _main(cfg: DictConfig) -> None:
         exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)
     except (ConfigError, TypeError) as e:
         fail(f"bad config: {e}")
+    except InitFileError as e:
+        fail(f"bad init file: {e}")
     except DataError as e:
         fail(f"bad data: {e}")
     except CheckpointError as e:

@@ -26,6 +26,8 @@ def _main(cfg: DictConfig) -> None:
         summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]))
     except DataError as e:
         fail(f"bad data: {e}")
+    except ConfigError as e:
+        fail(f"bad config: {e}")
     except SimError as e:
         fail(f"run failed: {e}", code=1)
     keys = ("mode", "sites", "params", "tokens", "final_eval_bpb", "bytes_up", "bytes_down", "wall_s", "hashes_equal")

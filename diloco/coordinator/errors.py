@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Literal
 
 # aborted: the round closed without this site's push; it should pull θ and go on.
-ErrorCode = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range", "aborted"]
+# unavailable: not now (θ₀ is being uploaded by another site); the caller retries with backoff.
+ErrorCode = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range", "aborted", "unavailable"]
 
 
 class CoordinatorError(Exception):

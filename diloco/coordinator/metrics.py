@@ -1,4 +1,6 @@
-"""Turns committed rounds into metrics.jsonl lines, evaluating θ on the held-out split.
+"""Turns committed rounds into metrics.jsonl lines, with the evaluation of θ: by the
+coordinator on the held-out split (where it can build the model), or by the sites, each on
+its own held-out data, reported with their next push or when they leave (token-weighted).
 
 Runs in its own thread so evaluation overlaps the sites' next inner phase. A round's line is
 written once its downlink traffic is complete (the next round committed, or every site left),
@@ -12,6 +14,7 @@ are unknown), so the rounds in metrics.jsonl stay consecutive, each exactly once
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -28,15 +31,23 @@ class MetricsReporter:
         self,
         path: Path,
         coordinator: Coordinator,
-        evaluate: Callable[[dict[str, torch.Tensor]], float],
+        evaluate: Callable[[dict[str, torch.Tensor]], float] | None,
         log: Callable[[str], None] = print,
+        *,
+        eval_by: str = "coordinator",
+        bytes_data: bool = True,
     ) -> None:
+        """``evaluate``: θ -> held-out loss in nats per token (None: the sites evaluate);
+        ``bytes_data``: tokens are bytes, so eval_bpb = eval_loss / ln 2 is written too."""
         self.path = path
         self._c = coordinator
         self._evaluate = evaluate
+        self._eval_by = eval_by
+        self._bytes = bytes_data
         self._log = log
         self._queue: queue.Queue[RoundRecord | None] = queue.Queue()
         self._closing = threading.Event()
+        self.final_eval_loss: float | None = None
         self.final_eval_bpb: float | None = None
         self.lines = 0
         self._recover()
@@ -52,21 +63,37 @@ class MetricsReporter:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
+    def set_final(self, eval_loss: float) -> None:
+        self.final_eval_loss = eval_loss
+        self.final_eval_bpb = self._bpb(eval_loss)
+
+    def _bpb(self, loss: float | None) -> float | None:
+        return loss / math.log(2) if loss is not None and self._bytes else None
+
     def _run(self) -> None:
         while (record := self._queue.get()) is not None:
-            eval_bpb = self._evaluate(record.params) if record.params is not None else None
+            eval_loss = self._evaluate(record.params) if self._evaluate is not None and record.params is not None else None
             record.params = None  # drop the snapshot as soon as it has been used
-            if eval_bpb is not None and record.round + 1 == self._c.cfg.total_rounds:
-                self.final_eval_bpb = eval_bpb
             while not self._closing.is_set() and not self._c.round_settled(record.round):
                 self._closing.wait(0.05)
-            append_jsonl(self.path, self._line(record.summary(), eval_bpb=eval_bpb, bytes_down=self._c.bytes_down(record.round)))
+            # The sites' evaluations of this round came with their next pushes (or as they left).
+            by_sites = self._c.site_eval(record.round) if self._evaluate is None else None
+            if by_sites is not None:
+                eval_loss = by_sites["loss"]
+            if eval_loss is not None and record.round + 1 == self._c.cfg.total_rounds:
+                self.set_final(eval_loss)
+            line = self._line(record.summary(), eval_loss=eval_loss, bytes_down=self._c.bytes_down(record.round))
+            if by_sites is not None:
+                line["eval_sites"] = by_sites["sites"]
+                line["eval_tokens"] = by_sites["tokens"]
+            append_jsonl(self.path, line)
             self.lines += 1
-            shown = f"{eval_bpb:.4f}" if eval_bpb is not None else "-"
+            eval_bpb = line["eval_bpb"]
+            shown = f"{eval_bpb:.4f}" if eval_bpb is not None else f"{eval_loss:.4f} nats/token" if eval_loss is not None else "-"
             verdict = f" REJECTED: {record.guard}" if record.rejected else ""
             self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}{verdict}")
 
-    def _line(self, rec: dict, *, eval_bpb: float | None, bytes_down: int | None, recovered: bool = False) -> dict:
+    def _line(self, rec: dict, *, eval_loss: float | None, bytes_down: int | None, recovered: bool = False) -> dict:
         return {
             "round": rec["round"],
             "participants": rec["participants"],
@@ -82,7 +109,9 @@ class MetricsReporter:
             "bytes_up": rec["bytes_up"],
             "bytes_down": bytes_down,
             "train_loss": rec["train_loss"],
-            "eval_bpb": eval_bpb,
+            "eval_loss": eval_loss,
+            "eval_bpb": self._bpb(eval_loss),
+            "eval_by": self._eval_by if eval_loss is not None else None,
             "update_norm": rec["update_norm"],
             "delta_norm": rec["delta_norm"],
             "global_sha256": rec["global_sha256"],
@@ -107,6 +136,6 @@ class MetricsReporter:
             if rec is None:
                 self._log(f"metrics: round {r} was committed before the restart but its record is gone; its line is missing")
                 continue
-            append_jsonl(self.path, self._line(rec, eval_bpb=None, bytes_down=None, recovered=True))
+            append_jsonl(self.path, self._line(rec, eval_loss=None, bytes_down=None, recovered=True))
             self.lines += 1
             self._log(f"metrics: wrote the line of round {r}, committed before the restart")

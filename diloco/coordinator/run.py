@@ -1,7 +1,9 @@
-"""The coordinator process: θ_0 from the model config, a gRPC server, metrics, a final report."""
+"""The coordinator process: θ₀ (from the model config, a file, or the first site), a gRPC
+server, metrics with evaluation where it can be done, a final report."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,15 +13,19 @@ from typing import Any
 import torch
 
 from diloco.checkpoint import CheckpointError, load_latest
-from diloco.config import RunConfig
+from diloco.config import ConfigError, RunConfig
+from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.coordinator.init_file import load_init_file
 from diloco.coordinator.metrics import MetricsReporter
 from diloco.coordinator.service import Coordinator, CoordinatorConfig
-from diloco.data import eval_batches, load_corpus
+from diloco.data import DataError, eval_batches, load_corpus
 from diloco.faults import FaultPlan, coordinator_hooks
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
-from diloco.model import build_model, count_params
-from diloco.site.inner import evaluate_bpb
+from diloco.model import build_model
+from diloco.site.inner import evaluate_loss
 from diloco.transport import serve
+
+Evaluate = Callable[[dict[str, torch.Tensor]], float]
 
 
 @dataclass(frozen=True)
@@ -38,19 +44,10 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     torch.set_num_threads(cfg.threads)
     limit_malloc_arenas()  # memory must not grow with the number of sites (see diloco/io.py)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model(cfg.model, cfg.seed)
-    corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
-    batches = eval_batches(corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
-    eval_params = dict(model.named_parameters())
-
-    def evaluate(params: dict[str, torch.Tensor]) -> float:
-        with torch.no_grad():
-            for name, p in eval_params.items():
-                p.copy_(params[name])
-        return evaluate_bpb(model, batches)
-
+    theta0, source = initial_params(cfg)
+    evaluate = coordinator_evaluator(cfg, theta0, log)
     coordinator = Coordinator(
-        dict(model.named_parameters()),
+        theta0,
         cfg.outer,
         CoordinatorConfig(
             total_rounds=cfg.rounds,
@@ -63,8 +60,12 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
             error_feedback_down=cfg.error_feedback,
             aggregate=cfg.aggregate,
             chunk_bytes=cfg.chunk_bytes,
-            snapshot_every=cfg.eval_every,
+            snapshot_every=cfg.eval_every if evaluate is not None else 0,
             checkpoint_dir=opts.checkpoint_dir,
+            sync_every=cfg.sync_every,
+            codec_up=cfg.codec.build().name,
+            init_source=source,
+            site_eval_every=cfg.eval_every if evaluate is None and cfg.eval_by != "coordinator" else 0,
             guard=cfg.guard,
             late=cfg.quorum.late,
             late_discount=cfg.quorum.late_discount,
@@ -73,8 +74,10 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     )
     if opts.checkpoint_dir:
         _resume(coordinator, Path(opts.checkpoint_dir), log)
-    reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, log=log)
+    eval_by = "coordinator" if evaluate is not None else "sites"
+    reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log)
     coordinator.on_commit.append(reporter.submit)
+    coordinator.on_init.append(lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params, sha256 {coordinator.global_sha256()[:16]}"))
     if opts.faults is not None:
         kill_between, kill_mid = coordinator_hooks(opts.faults)
         coordinator.on_commit.append(lambda record: kill_between(record.round))
@@ -83,7 +86,8 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
     try:
-        log(f"coordinator listening on {opts.host}:{port}: {count_params(model)} params, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s)")
+        what = f"{_count(coordinator)} params from {source}" if coordinator.ready else "θ₀ from the first site that joins (init=site)"
+        log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
         finished_at: float | None = None
@@ -94,16 +98,19 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
                     log(f"not every site left within {opts.linger_s:.0f}s after the last round; stopping anyway")
                     break
         reporter.close()
-        if reporter.final_eval_bpb is None and coordinator.finished:
+        if reporter.final_eval_loss is None and coordinator.finished and evaluate is not None:
             # The last round was committed by a predecessor that was killed before evaluating.
-            reporter.final_eval_bpb = evaluate(coordinator.global_params())
+            reporter.set_final(evaluate(coordinator.global_params()))
     finally:
         stop_ticker()
         server.stop(grace=2.0).wait(5.0)
     result = {
-        "params": count_params(model),
+        "params": _count(coordinator),
+        "init_from": coordinator.init_from if coordinator.ready else None,
         "rounds_committed": coordinator.committed_rounds,
         "global_sha256": coordinator.global_sha256(),
+        "eval_by": eval_by,
+        "final_eval_loss": reporter.final_eval_loss,
         "final_eval_bpb": reporter.final_eval_bpb,
         "site_reported_sha256": coordinator.left_sites(),
         "wall_s": round(time.monotonic() - start, 3),
@@ -113,6 +120,50 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     write_json_atomic(run_dir / "global.json", result)
     log(f"coordinator done: {result['rounds_committed']} rounds, global sha256 {result['global_sha256'][:16]}")
     return result
+
+
+def initial_params(cfg: RunConfig) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """θ₀ and where it came from: built from the model config (init=model), read from
+    init.path (init=file), or None until the first site sends it (init=site)."""
+    if cfg.init.source == "site":
+        return None, "a site (init=site)"
+    if cfg.init.source == "file":
+        return load_init_file(str(cfg.init.path)), f"init.path={cfg.init.path}"
+    model = build_model(cfg.model, cfg.seed)
+    return {n: p.detach() for n, p in model.named_parameters()}, f"model={cfg.model.name} seed={cfg.seed}"
+
+
+def coordinator_evaluator(cfg: RunConfig, theta0: dict[str, torch.Tensor] | None, log: Callable[[str], None]) -> Evaluate | None:
+    """The coordinator's evaluation of θ (held-out loss, nats per token), or None where the
+    sites evaluate: with init=site (the coordinator does not know the model), eval_by=sites,
+    or (eval_by=auto) when the run's model does not fit θ₀ or the held-out data is not here."""
+    if cfg.eval_by == "sites" or theta0 is None:
+        return None
+    try:
+        model = build_model(cfg.model, cfg.seed)
+        problems = mismatches(fingerprint(theta0), fingerprint(dict(model.named_parameters())).values())
+        if problems:
+            raise ConfigError(f"model={cfg.model.name} does not fit θ₀: " + "; ".join(problems))
+        corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
+    except (ConfigError, DataError, ValueError) as e:
+        if cfg.eval_by == "coordinator":
+            raise ConfigError(f"eval_by=coordinator: the coordinator cannot evaluate: {e}") from None
+        log(f"the sites evaluate θ (the coordinator cannot: {e})")
+        return None
+    batches = eval_batches(corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
+    eval_params = dict(model.named_parameters())
+
+    def evaluate(params: dict[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            for name, p in eval_params.items():
+                p.copy_(params[name])
+        return evaluate_loss(model, batches)[0]
+
+    return evaluate
+
+
+def _count(coordinator: Coordinator) -> int:
+    return sum(math.prod(s.shape) for s in coordinator.specs.values())
 
 
 def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None]) -> None:

@@ -26,13 +26,14 @@ from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.checkpoint import save_checkpoint
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.coordinator.init_source import InitElection
 from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_policy import RoundPolicy
 from diloco.outer import AGGREGATES, OuterConfig, OuterOptimizer, WeightedMean, params_sha256
-from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
+from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class CoordinatorConfig:
     late: str = "drop"  # late pushes: drop (refused, ABORTED) | merge (into the open round, discounted)
     late_discount: float = 0.5  # merge weight: tokens x late_discount ** staleness
     max_staleness: int = 2  # merge only pushes at most this many rounds late
+    sync_every: int | None = None  # the run's H: a site that says another one is refused at Join
+    codec_up: str | None = None  # the uplink codec's wire name: a site that says another one is refused
+    init_source: str = "the run's model config"  # where θ₀ comes from, named in Join refusals
+    site_eval_every: int = 0  # evaluation by sites: they evaluate θ after every k-th round (0: the coordinator evaluates, or nobody)
 
     def __post_init__(self) -> None:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
@@ -103,26 +108,32 @@ class Coordinator:
     """Holds θ and the outer optimizer; runs rounds 0 .. total_rounds-1."""
 
     def __init__(
-        self, params: Mapping[str, torch.Tensor], outer: OuterConfig, cfg: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
+        self, params: Mapping[str, torch.Tensor] | None, outer: OuterConfig, cfg: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
     ) -> None:
+        """``params``: θ₀; None (init=site): the first site that joins and can upload sends it."""
         self.cfg = cfg
         self._policy = cfg.policy
         self._clock = clock
         self.run_id = uuid.uuid4().hex[:12]
-        self._outer = OuterOptimizer(params, outer)
-        self._specs: dict[str, TensorSpec] = fingerprint(self._outer.params)
-        self._shapes = {n: p.shape for n, p in self._outer.params.items()}
+        self._outer_cfg = outer
+        self._election = InitElection(cfg.lease_s, clock)
+        self._site_evals: dict[int, dict[str, SiteEval]] = {}  # round -> site -> its evaluation of θ after it
+        self.on_init: list[Callable[[str], None]] = []  # called with who sent θ₀ (init=site)
         self._cv = threading.Condition()
         self._members = Membership(cfg.lease_s, clock)
         self._left: dict[str, str] = {}  # site id -> the hash it reported when leaving
         self._pushed_at: dict[str, float] = {}  # this round's pushes: site id -> arrival time
         self._open = 0
-        self._acc = WeightedMean(self._shapes, self.cfg.aggregate)
         self._pushes: dict[str, PushHeader] = {}
         self._push_bytes = 0
         self._participants: dict[int, list[str]] = {}
+        self._ready = False  # θ₀ is set
+        self._specs: dict[str, TensorSpec] = {}
         self._downlink = Downlink(self._specs, cfg.keep_updates)  # what pullers get
-        self._hash = params_sha256(self._outer.params)
+        self._hash = ""
+        self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
+        if params is not None:
+            self._install(params, cfg.init_source)
         self._codec_down = codec_config(cfg.codec_down).build()
         self._down_residual: dict[str, torch.Tensor] | None = None
         self._start = clock()
@@ -142,10 +153,32 @@ class Coordinator:
         self.on_commit: list[Callable[[RoundRecord], None]] = []
         self.on_push: list[Callable[[int], None]] = []  # called with the round after each accepted push
 
+    def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
+        """θ₀ and everything sized by it: the outer optimizer, the accumulator, the downlink."""
+        self._outer = OuterOptimizer(params, self._outer_cfg)
+        self._specs = fingerprint(self._outer.params)
+        self._shapes = {n: p.shape for n, p in self._outer.params.items()}
+        self._acc = WeightedMean(self._shapes, self.cfg.aggregate)
+        self._downlink = Downlink(self._specs, self.cfg.keep_updates)
+        self._hash = params_sha256(self._outer.params)
+        self.init_from = source
+        self._ready = True
+
     # ---- read-only views -------------------------------------------------------------
     @property
     def specs(self) -> dict[str, TensorSpec]:
-        return dict(self._specs)
+        with self._cv:
+            return dict(self._specs)
+
+    @property
+    def ready(self) -> bool:
+        """θ₀ is set (always, unless init=site and no site has sent it yet)."""
+        with self._cv:
+            return self._ready
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._ready, timeout=timeout_s)
 
     @property
     def committed_rounds(self) -> int:
@@ -163,7 +196,7 @@ class Coordinator:
 
     def global_params(self) -> dict[str, torch.Tensor]:
         with self._cv:
-            return {n: p.clone() for n, p in self._outer.params.items()}
+            return {n: p.clone() for n, p in self._outer.params.items()} if self._ready else {}
 
     def bytes_down(self, round: int) -> int:
         with self._cv:
@@ -181,27 +214,137 @@ class Coordinator:
         return RoundStatus(self._open, self._open, self.cfg.total_rounds, self._hash)
 
     # ---- membership ------------------------------------------------------------------
-    def join(self, site_id: str, specs: Iterable[TensorSpec]) -> JoinInfo:
+    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "") -> JoinInfo:
+        """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
+        first site that can upload becomes its source (``JoinInfo.upload_init``); the others
+        wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
         if not site_id:
             raise CoordinatorError("invalid_argument", "site_id must not be empty")
-        problems = mismatches(self._specs, specs)
-        if problems:
-            raise CoordinatorError("invalid_argument", f"model of site {site_id!r} does not match the coordinator's: " + "; ".join(problems))
+        self._check_settings(site_id, sync_every, codec)
+        specs = list(specs)
         with self._cv:
-            self._members.join(site_id)
-            self._left.pop(site_id, None)
-            # A site that (re)joins starts its rounds afresh: parts an earlier incarnation of it
-            # pushed must not be combined with the parts of this one.
-            self._parts.discard_site(site_id)
-            return JoinInfo(open_round=self._open, total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.lease_s)
+            give_up = time.monotonic() + JOIN_WAIT_S
+            while not self._ready:
+                if can_upload:
+                    declared = {s.name: s for s in specs}
+                    why = _upload_problem(declared, len(specs))
+                    if why is not None:
+                        raise CoordinatorError("invalid_argument", f"site {site_id!r} cannot send θ₀: {why}")
+                    if self._election.choose(site_id, declared):
+                        self._admit(site_id)
+                        return self._join_info(upload_init=True)
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    who = f"site {self._election.source!r} is sending it" if not self._election.free() else "waiting for a site that can send it"
+                    raise CoordinatorError("unavailable", f"θ₀ is not set yet (init=site): {who}; join again shortly")
+                self._cv.wait(timeout=min(left, 0.5))  # wakes to see whether the source timed out
+            problems = mismatches(self._specs, specs)
+            if problems:
+                raise CoordinatorError(
+                    "invalid_argument", f"model of site {site_id!r} does not match the coordinator's (θ₀ from {self.init_from}): " + "; ".join(problems)
+                )
+            self._admit(site_id)
+            return self._join_info()
 
-    def leave(self, site_id: str, global_sha256: str) -> None:
+    def _admit(self, site_id: str) -> None:
+        self._members.join(site_id)
+        self._left.pop(site_id, None)
+        # A site that (re)joins starts its rounds afresh: parts an earlier incarnation of it
+        # pushed must not be combined with the parts of this one.
+        self._parts.discard_site(site_id)
+
+    def _join_info(self, upload_init: bool = False) -> JoinInfo:
+        return JoinInfo(
+            open_round=self._open, total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.lease_s, upload_init=upload_init,
+            eval_every=self.cfg.site_eval_every,
+        )  # fmt: skip
+
+    def _check_settings(self, site_id: str, sync_every: int, codec: str) -> None:
+        """A site that says its H or its uplink codec must say the coordinator's."""
+        if sync_every and self.cfg.sync_every is not None and sync_every != self.cfg.sync_every:
+            raise CoordinatorError(
+                "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"
+            )
+        if codec and self.cfg.codec_up is not None and codec != self.cfg.codec_up:
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} pushes with codec={_clip(codec)}, this run's codec is {self.cfg.codec_up}: use the run's codec")
+
+    def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        """θ₀ from the site that Join chose as its source (init=site): every tensor it declared,
+        whole, float32, finite, sent lossless; all or nothing. A refused upload leaves θ₀ unset
+        and the role to the next site that joins; an accepted one is checkpointed (round 0)
+        before any site can pull it, so a restarted coordinator never asks again."""
+        site = header.site_id
+        with self._cv:
+            if self._ready:
+                raise CoordinatorError("failed_precondition", f"θ₀ is already set (from {self.init_from}); join again to pull it")
+            why = self._election.start(site)
+            if why is not None:
+                raise CoordinatorError("failed_precondition", why)
+            specs = dict(self._election.specs)
+        try:
+            assembler = ChunkAssembler(specs)
+            for i, chunk in enumerate(chunks):
+                if i % 64 == 63:  # an upload may outlast the lease: every chunk that arrives counts as a heartbeat
+                    with self._cv:
+                        try:
+                            self._members.renew(site)
+                        except KeyError as e:
+                            raise CodecError(f"the upload stopped counting: {e.args[0]}") from None
+                if not is_lossless(chunk.codec):
+                    raise CodecError(f"chunk of {chunk.name!r} is encoded with {_clip(chunk.codec)}; θ₀ must be sent lossless (fp32)")
+                if chunk.box_shape or chunk.box_start:
+                    raise CodecError(f"chunk of {chunk.name!r} holds a slice; θ₀ is sent whole, from a one-rank site")
+                assembler.add(chunk)
+            params = assembler.finish()
+        except BaseException as e:
+            reason = str(e) if isinstance(e, CodecError) else f"the upload broke off ({type(e).__name__})"
+            with self._cv:
+                self._election.release(site, reason)
+                self._members.leave(site)  # it holds no round open; the next site takes the role
+                self._cv.notify_all()
+            if isinstance(e, CodecError):
+                raise CoordinatorError("invalid_argument", f"θ₀ from site {site!r} refused: {e}") from None
+            raise
+        with self._cv:
+            self._install(params, f"site {site!r}")
+            if self.cfg.checkpoint_dir is not None:
+                save_checkpoint(Path(self.cfg.checkpoint_dir), 0, self._checkpoint_state())
+            self._round_start = self._clock()
+            self._cv.notify_all()
+        for listener in self.on_init:
+            listener(self.init_from)
+        return PushResult(accepted=True, duplicate=False, round=0, payload_bytes=assembler.payload_bytes)
+
+    def leave(self, site_id: str, global_sha256: str, eval: SiteEval | None = None) -> None:
         with self._cv:
             if self._members.state(site_id) is None:
                 raise CoordinatorError("failed_precondition", self._members.why_not_active(site_id))
+            if eval is not None:
+                self._check_eval(site_id, eval)
+                self._site_evals.setdefault(eval.round, {})[site_id] = eval
             self._members.leave(site_id)
             self._left[site_id] = global_sha256
             self._cv.notify_all()
+
+    def _check_eval(self, site_id: str, e: SiteEval) -> None:
+        """A site's evaluation must be of a committed round, finite, over a sane token count."""
+        if not 0 <= e.round < self._open:
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} reports eval_round={e.round}; committed rounds are 0..{self._open - 1}")
+        if not (math.isfinite(e.loss) and e.loss >= 0):
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} reports eval_loss={e.loss}; must be a finite number >= 0")
+        if not 0 < e.tokens < 2**53:
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} reports eval_tokens={e.tokens}; must be in 1..2^53")
+
+    def site_eval(self, round: int) -> dict[str, Any] | None:
+        """The sites' evaluation of θ after ``round``: token-weighted mean loss (nats per token),
+        tokens and the reporting sites; None if no site reported one."""
+        with self._cv:
+            evals = dict(self._site_evals.get(round, {}))
+        if not evals:
+            return None
+        tokens = sum(e.tokens for e in evals.values())
+        loss = sum(e.loss * e.tokens for e in evals.values()) / tokens
+        return {"loss": loss, "tokens": tokens, "sites": sorted(evals)}
 
     def heartbeat(self, site_id: str) -> RoundStatus:
         """Renews the site's lease; refused (failed_precondition) once it was evicted."""
@@ -217,7 +360,7 @@ class Coordinator:
             if evicted:
                 self._evicted.extend(evicted)
                 self._cv.notify_all()
-            record = self._maybe_commit() if self._open < self.cfg.total_rounds else None
+            record = self._maybe_commit() if self._ready and self._open < self.cfg.total_rounds else None
         if record is not None:
             for listener in self.on_commit:
                 listener(record)
@@ -244,6 +387,15 @@ class Coordinator:
     def active_sites(self) -> frozenset[str]:
         with self._cv:
             return self._members.active
+
+    def _require_ready(self) -> None:
+        if not self._ready:
+            raise CoordinatorError("failed_precondition", "θ₀ is not set yet (init=site): the site chosen at Join must upload it first")
+
+    def _record_eval(self, header: PushHeader) -> None:
+        """Keeps the evaluation an accepted push carried (checked in _check_push)."""
+        if header.eval is not None:
+            self._site_evals.setdefault(header.eval.round, {})[header.site_id] = header.eval
 
     def _require_member(self, site_id: str) -> None:
         """Every call of a site counts as a heartbeat; an unknown, evicted or departed site is refused."""
@@ -284,6 +436,7 @@ class Coordinator:
                 if verdict == "duplicate":
                     return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
                 merged_into = 0
+                self._record_eval(header)
                 if verdict == "merge":
                     factor = self.cfg.late_discount ** (self._open - header.round)
                     self._acc.add(delta, float(header.tokens) * factor)
@@ -334,6 +487,8 @@ class Coordinator:
                 state, every = self._parts.add(header, kept, boxes)
             except ValueError as e:
                 raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
+            if state != "duplicate":
+                self._record_eval(header)
         if state == "duplicate":
             return PushResult(accepted=False, duplicate=True, round=header.round, payload_bytes=0)
         if state == "waiting":
@@ -346,6 +501,9 @@ class Coordinator:
         """"take" (a push for the open round), "merge" (a late push the policy folds into the
         open round) or "duplicate" (a harmless repeat); raises if the push cannot be taken."""
         self._require_member(header.site_id)
+        self._require_ready()
+        if header.eval is not None:
+            self._check_eval(header.site_id, header.eval)
         if header.tokens <= 0:
             raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} declares tokens={header.tokens}; must be > 0")
         if header.round >= self.cfg.total_rounds:
@@ -409,6 +567,8 @@ class Coordinator:
         self._records[r] = record.summary()
         for old in [k for k in self._records if k <= r - _KEEP_RECORDS]:
             del self._records[old]
+        for old in [k for k in self._site_evals if k <= r - _KEEP_RECORDS]:
+            del self._site_evals[old]
         self._evicted = []
         self._merged = []
         self._sliced = {}
@@ -456,6 +616,7 @@ class Coordinator:
             "records": {str(r): rec for r, rec in self._records.items()},
             "guard_history": self._guard.history,
             "merged_done": sorted(self._merged_done),
+            "init_from": self.init_from,
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -469,6 +630,8 @@ class Coordinator:
         if digest != state["global_sha256"]:
             raise ValueError(f"checkpoint θ hashes to {digest[:16]}, the checkpoint says {str(state['global_sha256'])[:16]}")
         with self._cv:
+            if not self._ready:  # init=site: θ₀ was committed before the restart; never asked again
+                self._install(state["outer"]["params"], str(state.get("init_from", "the checkpoint")))
             self._outer.load_state_dict(state["outer"])
             self.run_id = str(state["run_id"])
             self._hash = digest
@@ -495,15 +658,17 @@ class Coordinator:
         """Blocks until ``round`` is committed or ``timeout_s`` passes; returns the status."""
         with self._cv:
             self._require_member(site_id)
+            self._require_ready()
             self._cv.wait_for(lambda: self._open > round, timeout=max(0.0, timeout_s))
             return self._status()
 
     def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:
         """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
         the chunks that hold rows of those slices (what one rank of a sharded site needs)."""
-        self._downlink.check_want(want)
         with self._cv:
             self._require_member(site_id)
+            self._require_ready()
+            self._downlink.check_want(want)
             if round >= self._open:
                 raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
             return self._downlink.update(round, want)
@@ -511,9 +676,10 @@ class Coordinator:
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> list[Chunk]:
         """θ after the last committed round, float32, tagged with the open round number (with
         ``want``: only the chunks that hold rows of those slices)."""
-        self._downlink.check_want(want)
         with self._cv:
             self._require_member(site_id)
+            self._require_ready()
+            self._downlink.check_want(want)
             open_round = self._open
 
             def encode() -> list[Chunk]:
@@ -549,6 +715,26 @@ class Coordinator:
 
 _KEEP_RECORDS = 16
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
+JOIN_WAIT_S = 20.0  # init=site: how long a Join waits for θ₀ before it is told to try again
+
+
+def _upload_problem(declared: Mapping[str, TensorSpec], count: int) -> str | None:
+    """Why a fingerprint cannot become θ₀'s, or None: θ is kept and averaged in float32."""
+    if not declared:
+        return "its model has no parameters"
+    if len(declared) != count:
+        return "its fingerprint names a parameter twice"
+    for spec in declared.values():
+        if not spec.name:
+            return "a parameter has an empty name"
+        if spec.dtype != "float32":
+            return f"parameter {_clip(spec.name)} is {_clip(spec.dtype)}; θ is kept in float32 (keep the parameters float32 and train in bf16 with autocast)"
+    return None
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """Client text quoted in a message, cut to ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def _describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:

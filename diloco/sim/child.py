@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         # takes its torchrun group down with it, and the simulator starts the group again.
         leader = int(os.environ.get("RANK", "0")) == 0
         faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan and leader else None
-        opts = SiteOptions(site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, faults=faults, incarnation=args.incarnation, checkpoint_dir=args.checkpoint_dir)
+        # device=cuda: the simulated sites take the visible GPUs in turn (several may share one).
+        gpu = int(args.site_id) if args.site_id.isdigit() else None
+        opts = SiteOptions(
+            site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, faults=faults, incarnation=args.incarnation,
+            checkpoint_dir=args.checkpoint_dir, gpu=gpu,
+        )  # fmt: skip
         run_site(cfg, opts, args.run_dir, log=log)
     else:
         from diloco.baseline.data_parallel import run_data_parallel

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from diloco.config import RunConfig, run_config_to_dict
+from diloco.config import ConfigError, RunConfig, run_config_to_dict
+from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.coordinator.init_file import load_init_file
 from diloco.data import load_corpus
+from diloco.model import build_model, is_builtin
+from diloco.site.device import resolve_device
 from diloco.faults import FIRED_FILE, read_fired
 from diloco.io import read_jsonl, write_json_atomic
 
@@ -59,6 +63,7 @@ def run_simulation(
     run_dir = run_dir.resolve()
     # Fail on bad data here, before any process starts (DataError names the path).
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
+    check_before_start(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     for stale in ("global.json", "summary.json", "coordinator.port.json"):
@@ -108,6 +113,24 @@ def run_simulation(
     summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start)
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
+
+
+def check_before_start(cfg: RunConfig) -> None:
+    """What would make a process fail at start, found before any starts (ConfigError naming
+    the field or the file): no GPU for device=cuda, a model factory that does not build, an
+    init file that does not load or does not fit the model the sites build."""
+    try:
+        resolve_device(cfg.device)
+        if cfg.init.source == "file" or not is_builtin(cfg.model):
+            model = build_model(cfg.model, cfg.seed)
+            if cfg.init.source == "file":
+                problems = mismatches(fingerprint(load_init_file(str(cfg.init.path))), fingerprint(dict(model.named_parameters())).values())
+                if problems:
+                    raise ConfigError(f"init.path={cfg.init.path}: does not fit model={cfg.model.name}: " + "; ".join(problems))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_faults: list[int] | None = None) -> _Proc:
@@ -231,11 +254,12 @@ def _describe_fired(e: dict[str, Any]) -> str:
 
 
 def _progress_line(m: dict[str, Any], cfg: RunConfig) -> str:
-    ev = f"{m['eval_bpb']:.4f}" if m.get("eval_bpb") is not None else "  -   "
+    kind, key = ("eval_bpb", "eval_bpb") if cfg.data.format == "bytes" else ("eval_loss", "eval_loss")
+    ev = f"{m[key]:.4f}" if m.get(key) is not None else "  -   "
     loss = f"{m['train_loss']:.4f}" if m.get("train_loss") is not None else "-"
     return (
         f"round {m['round'] + 1:>3}/{cfg.rounds}  workers {len(m['participants'])}  train_loss {loss}  "
-        f"eval_bpb {ev}  up {m['bytes_up'] / 1e6:8.2f} MB  down {(m['bytes_down'] or 0) / 1e6:8.2f} MB  {m['elapsed_s']:7.1f} s"
+        f"{kind} {ev}  up {m['bytes_up'] / 1e6:8.2f} MB  down {(m['bytes_down'] or 0) / 1e6:8.2f} MB  {m['elapsed_s']:7.1f} s"
     )
 
 
@@ -278,6 +302,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         "params": global_info["params"],
         "tokens": sum(m["tokens"] for m in metrics),
         "final_eval_bpb": global_info["final_eval_bpb"],
+        "final_eval_loss": global_info.get("final_eval_loss"),
+        "eval_by": global_info.get("eval_by"),
         "final_train_loss": metrics[-1]["train_loss"] if metrics else None,
         "bytes_up": sum(m["bytes_up"] for m in metrics),
         "bytes_down": sum(m["bytes_down"] or 0 for m in metrics),

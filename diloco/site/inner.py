@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.model import lm_loss
+from diloco.model import lm_loss, model_logits
 
 
 @dataclass(frozen=True)
@@ -46,15 +46,26 @@ def lr_factor(step: int, total_steps: int, cfg: InnerConfig) -> float:
 
 
 def build_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms' gains or biases)."""
+    """AdamW with weight decay on matrices only (not on norms' gains or biases); the fused
+    kernel where every parameter is on a GPU (one launch per step instead of one per tensor)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (cfg.beta1, cfg.beta2)
     # The fused multi-tensor (foreach) kernels refuse a mix of plain tensors and DTensors
     # (tensor parallelism leaves norms and embeddings plain), or DTensors on different meshes.
-    foreach = None if not _mixes_dtensors(params) else False
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=foreach)
+    if _mixes_dtensors(params):
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False)
+    if params and all(p.device.type == "cuda" for p in params):
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's parameters (the CPU for a model without any)."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def _dtensor_class() -> type | None:
@@ -104,18 +115,21 @@ class InnerTrainer:
         self.total_steps = total_steps
         self.optimizer = optimizer if optimizer is not None else build_inner_optimizer(model, cfg)
         self.steps_done = 0
+        self.device = model_device(model)  # batches go where the parameters are
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on a batch; returns the loss in nats per token."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * lr_factor(self.steps_done, self.total_steps, self.cfg)
         self.model.train()
+        if x.device != self.device:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         run = self.layout.forward_backward if self.layout is not None else None
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             if run is not None:
                 value = run(x, y)
             else:
-                loss = lm_loss(self.model(x), y)
+                loss = lm_loss(model_logits(self.model, x), y)
         if run is None:
             loss.backward()
             value = float(loss.detach())
@@ -132,13 +146,21 @@ class InnerTrainer:
 
 
 @torch.no_grad()
-def evaluate_bpb(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean held-out loss in bits per byte (tokens are bytes, so bpb = nats / ln 2)."""
+def evaluate_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+    """Mean held-out loss in nats per token, and the tokens it was measured on (on the
+    model's device, in float32)."""
     was_training = model.training
     model.eval()
+    device = model_device(model)
     total, count = 0.0, 0
     for x, y in batches:
-        total += float(lm_loss(model(x), y)) * y.numel()
+        x, y = x.to(device), y.to(device)
+        total += float(lm_loss(model_logits(model, x), y)) * y.numel()
         count += y.numel()
     model.train(was_training)
-    return total / count / math.log(2)
+    return total / count, count
+
+
+def evaluate_bpb(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean held-out loss in bits per byte (where tokens are bytes, bpb = nats / ln 2)."""
+    return evaluate_loss(model, batches)[0] / math.log(2)

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from diloco.codec import ChunkAssembler, CodecConfig, SliceAssembler, codec_config, encode_chunks, is_lossless
+from diloco.codec import ChunkAssembler, CodecConfig, SliceAssembler, codec_config, encode_chunks, get_codec, is_lossless
 from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.outer import apply_update, params_sha256, pseudo_gradient
 from diloco.site.heartbeat import Heartbeat
+from diloco.site.host_copy import HostMirror
 from diloco.site.layouts.base import ParallelModel
 from diloco.transport import CoordinatorClient, RemoteError
-from diloco.types import JoinInfo, PushHeader
+from diloco.types import JoinInfo, PushHeader, SiteEval
 
 
 # The coordinator could not be reached (it is restarting, was stopped, or the network failed): retry.
@@ -77,10 +79,12 @@ class OuterSync:
         reconnect_timeout_s: float = 300.0,
         before_push: Callable[[int], None] | None = None,
         log: Callable[[str], None] | None = None,
+        sync_every: int = 0,
     ) -> None:
         self.model = model
         self.client = client
         self.site_id = site_id
+        self.sync_every = sync_every  # told to the coordinator at Join (0: not said), which refuses another H
         self.codec = codec_config(codec).build()
         # Uplink error feedback: what the codec dropped this round is added to the next Δ.
         self.error_feedback = error_feedback and not is_lossless(self.codec.name)
@@ -114,6 +118,12 @@ class OuterSync:
         self.timings: list[dict[str, float]] = []
         self._times: dict[str, float] = {}
         self._heartbeat: Heartbeat | None = None
+        # The model may train on a GPU; θ, Δ and the wire stay on the host (see host_copy).
+        self._host = HostMirror()
+        self._on_device = HostMirror.on_device({n: h.tensor for n, h in held.items()})
+        self.eval_every = 0  # evaluation by sites: the coordinator's JoinInfo.eval_every
+        self._eval: SiteEval | None = None  # an evaluation to report with the next push (or leave)
+        self.uploaded_init = False  # this site sent θ₀ (init=site)
 
     @property
     def residual(self) -> dict[str, torch.Tensor] | None:
@@ -130,13 +140,49 @@ class OuterSync:
     def join(self) -> JoinInfo:
         """Registers with the coordinator (every rank of the site, under the site's id), loads
         the global θ (this rank's slices) into the model and starts heartbeats (three per
-        lease, from the site's leader rank)."""
-        info = self.client.join(self.site_id, self._specs.values())
+        lease, from the site's leader rank). If the coordinator has no θ₀ yet (init=site) and
+        chose this site as its source, the site first uploads its own parameters."""
+        info = self._join()
         self.total_rounds = info.total_rounds
+        self.eval_every = info.eval_every
+        if info.upload_init:
+            self._upload_init()
         self._pull_global()
         if self._heartbeat is None and info.lease_s > 0 and self.layout.leader:
             self._heartbeat = Heartbeat(self.client, self.site_id, info.lease_s / 3, self._log)
         return info
+
+    def _join(self) -> JoinInfo:
+        """Join, saying what must agree with the coordinator; while another site is sending θ₀
+        (init=site) the coordinator answers UNAVAILABLE, and the site asks again with backoff, for
+        as long as it would wait for a round (a large θ₀ takes a while to upload)."""
+        backoff = _Backoff(max(self.reconnect_timeout_s, self.round_timeout_s))
+        can_upload = self.layout.world == 1  # θ₀ is sent whole, by a one-rank site
+        while True:
+            try:
+                return self.client.join(self.site_id, self._specs.values(), can_upload=can_upload, sync_every=self.sync_every, codec=self.codec.name)
+            except RemoteError as e:
+                if e.code != "UNAVAILABLE":
+                    raise
+                backoff.wait(e, self._log, f"site {self.site_id} join")
+
+    def _upload_init(self) -> None:
+        """Sends this site's parameters as θ₀ (float32, lossless, the framing of a push)."""
+        params = self._host.host({n: h.tensor for n, h in self.layout.held().items()})
+        chunks = encode_chunks(params, codec=get_codec("fp32"), round=0, chunk_bytes=self.chunk_bytes)
+        header = PushHeader(site_id=self.site_id, round=0, tokens=1, train_loss=math.nan, inner_steps=0)
+        result = self.client.upload_init(header, chunks)
+        self.bytes_up += result.payload_bytes
+        self.uploaded_init = True
+        self._log(f"site {self.site_id}: sent its parameters as θ₀ ({result.payload_bytes} bytes)")
+
+    def report_eval(self, round: int, loss: float, tokens: int) -> None:
+        """The site's held-out loss (nats per token, over ``tokens``) of the global θ after
+        ``round``: sent with the next push, or when the site leaves."""
+        if not (math.isfinite(loss) and tokens > 0):
+            self._log(f"site {self.site_id}: its evaluation of round {round} is not reportable (loss {loss}, {tokens} tokens); skipped")
+            return
+        self._eval = SiteEval(round=round, loss=float(loss), tokens=int(tokens))
 
     def close(self) -> None:
         """Stops the heartbeats (leave() does this too)."""
@@ -152,7 +198,7 @@ class OuterSync:
         assembler = self._assembler()
         for c in chunks:
             assembler.add(c)
-        self.global_params = assembler.finish()
+        self.global_params = HostMirror.keep(assembler.finish(), self._on_device)
         self.bytes_down += assembler.payload_bytes
         self.round = chunks[0].round if chunks else 0
         self._load_global_into_model()
@@ -160,9 +206,7 @@ class OuterSync:
             self.round_hashes[self.round - 1] = params_sha256(self.global_params)
 
     def _load_global_into_model(self) -> None:
-        with torch.no_grad():
-            for name, h in self.layout.held().items():
-                h.tensor.copy_(self.global_params[name])
+        HostMirror.load({n: h.tensor for n, h in self.layout.held().items()}, self.global_params)
         self.layout.after_pull()
 
     def sync(self, *, tokens: int, train_loss: float, inner_steps: int) -> str:
@@ -178,7 +222,8 @@ class OuterSync:
         t0 = time.perf_counter()
         held = self.layout.held()
         pushed = {n: h for n, h in held.items() if h.push}
-        delta = pseudo_gradient({n: self.global_params[n] for n in pushed}, {n: h.tensor for n, h in pushed.items()})
+        local = self._host.host({n: h.tensor for n, h in pushed.items()})
+        delta = pseudo_gradient({n: self.global_params[n] for n in pushed}, local)
         if self._residual is not None:
             delta = with_residual(delta, self._residual, self.error_feedback_decay)
         t1 = time.perf_counter()
@@ -192,13 +237,17 @@ class OuterSync:
             decoded = sent.finish()
             residual = {n: delta[n] - decoded[n] for n in delta}
         parts = self.layout.world
-        header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps, part=self.layout.rank, parts=parts)
+        header = PushHeader(
+            site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps, part=self.layout.rank, parts=parts,
+            eval=self._eval if self.layout.leader else None,
+        )  # fmt: skip
         if self.before_push is not None:
             self.before_push(r)
         t2 = time.perf_counter()
         self._times = {"round": r, "delta_s": t1 - t0, "encode_s": t2 - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
         outcome, why, update = self._exchange(r, header, chunks)
         outcome = self.layout.agree(outcome)  # every rank of the site goes the same way
+        self._eval = None  # sent (or, if the push did not count, a stale evaluation: dropped)
         if not outcome & DROPPED:
             self._residual = residual  # only a push that counted moves the residual on
         if outcome:
@@ -271,7 +320,7 @@ class OuterSync:
         if outcome & REJOIN:
             self.rejoins += 1
             if self.layout.leader:
-                self._call(lambda: self.client.join(self.site_id, self._specs.values()), "join")
+                self._call(self._join, "join")
             self.layout.barrier()
         self._call(self._pull_global, "pull of θ")
         return params_sha256(self.global_params)
@@ -291,10 +340,10 @@ class OuterSync:
     def _wait_committed(self, r: int) -> None:
         deadline = time.monotonic() + self.round_timeout_s
         while True:
-            status = self.client.wait_round(self.site_id, r, self.wait_poll_s)
+            status = self.client.wait_round(self.site_id, r, max(0.0, min(self.wait_poll_s, deadline - time.monotonic())))
             if status.committed_rounds > r:
                 return
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 raise RemoteError("ROUND_TIMEOUT", f"round {r} was not committed within {self.round_timeout_s:.0f}s")
             self._log(f"site {self.site_id}: waiting for round {r} to close")
 
@@ -305,5 +354,5 @@ class OuterSync:
         """Says goodbye for the site (its leader rank), reporting the hash of its whole θ."""
         self.close()
         digest = global_sha256 or self.global_sha256()
-        self._call(lambda: self.client.leave(self.site_id, digest), "leave")
+        self._call(lambda: self.client.leave(self.site_id, digest, self._eval), "leave")
 

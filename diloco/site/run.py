@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -13,13 +14,14 @@ from typing import Any
 import torch
 
 from diloco.config import RunConfig
-from diloco.data import ShardSampler, load_corpus
+from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.faults import SiteFaults
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.site.checkpoint import SiteCheckpointer
 from diloco.outer import params_sha256
-from diloco.site.inner import InnerTrainer
+from diloco.site.device import configure_cuda, resolve_device
+from diloco.site.inner import InnerTrainer, evaluate_loss
 from diloco.site.layouts.build import build_layout, close_site_group, init_site_group
 from diloco.site.outer_sync import OuterSync
 from diloco.transport import CoordinatorClient
@@ -37,6 +39,7 @@ class SiteOptions:
     # Simulation only: the coordinator is started at the same time as the site and writes the
     # port it listens on here; the site reads it once it is ready to connect.
     coordinator_port_file: str | None = None
+    gpu: int | None = None  # device=cuda: which visible GPU (modulo their number); default LOCAL_RANK (torchrun) or 0
 
     def coordinator_address(self) -> str:
         """Where to call the coordinator: ``coordinator``, or what the port file says once it exists."""
@@ -97,6 +100,11 @@ def _sync_record(sync: OuterSync) -> dict[str, Any]:
     }
 
 
+def _eval_due(sync: OuterSync) -> bool:
+    """The coordinator asked the sites to evaluate θ after this round (every eval_every, and the last)."""
+    return sync.eval_every > 0 and (sync.round % sync.eval_every == 0 or sync.finished)
+
+
 def _median_times(timings: list[dict[str, float]]) -> dict[str, float]:
     keys = [k for k in (timings[0] if timings else {}) if k != "round"]
     return {k: round(statistics.median(t[k] for t in timings), 5) for k in keys}
@@ -107,14 +115,21 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     torch.set_num_threads(cfg.threads)
     shard = opts.data_shard(cfg.sites)
     layout_cfg = cfg.layout_of(shard)
-    init_site_group(layout_cfg)  # under torchrun: one process per rank of this site
+    # A rank trains on cuda:LOCAL_RANK; a simulated one-rank site on the GPU the simulator gave it.
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", opts.gpu or 0)))
+    configure_cuda(device, cfg.tf32)
+    init_site_group(layout_cfg, device)  # under torchrun: one process per rank of this site
     corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
     # Every rank draws the site's whole batch (the same sampler) and trains on its share of it.
     sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
-    layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed))
+    # Built on the CPU from the seed (the same weights on every device), then moved.
+    layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed).to(device))
     if not layout.leader:
         log = _silent  # the site's leader rank speaks for it
+    if cfg.compile and layout.forward_backward is None:
+        layout.model.compile()  # in place: torch.compile(m) would rename every parameter "_orig_mod.…"
     trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps, layout=layout)
+    heldout: list | None = None  # the site's held-out batches, made the first time it evaluates
     start = time.monotonic()
     tokens = 0
     faults = opts.faults
@@ -129,7 +144,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         client = faults.wrap(real_client) if faults else real_client
         sync = OuterSync(
             layout, client, opts.site_id, codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay,
-            chunk_bytes=cfg.chunk_bytes, log=log, before_push=faults.before_push if faults else None,
+            chunk_bytes=cfg.chunk_bytes, log=log, before_push=faults.before_push if faults else None, sync_every=cfg.sync_every,
         )  # fmt: skip
         info = sync.join()
         # A site that joins late (or again, after a crash) starts its lr schedule and its
@@ -164,6 +179,12 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 if checkpointer and not sync.finished:
                     checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=tokens)
                 log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
+                if _eval_due(sync) and layout.forward_backward is None:
+                    # Evaluation by sites: the global θ the model now holds, on this site's own held-out data.
+                    if heldout is None:
+                        heldout = eval_batches(corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
+                    loss, count = evaluate_loss(layout.model, heldout)
+                    sync.report_eval(sync.round - 1, loss, count)
             # The hash of the whole θ: of this rank's copy, or (sharded sites) of the whole
             # tensors gathered from the ranks once, at the end, only to verify it.
             site_hash = sync.global_sha256() if layout.world == 1 else params_sha256(layout.full_state())
@@ -182,6 +203,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         "tokens": tokens,
         "inner_steps": trainer.steps_done,
         "layout": layout_cfg.name,
+        "device": str(device),
         **_traffic(per_rank, layout.world),
         "inner_step_s_median": round(statistics.median(step_s), 5) if step_s else None,
         "steps_per_round": {str(r): n for r, n in sorted(steps_per_round.items())},

@@ -11,7 +11,7 @@ from diloco.transport import serde
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.server import MAX_MESSAGE_BYTES
-from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
+from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
 
 class RemoteError(Exception):
@@ -63,8 +63,10 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def join(self, site_id: str, specs: Iterable[TensorSpec]) -> JoinInfo:
-        req = pb.JoinRequest(site_id=site_id, params=[serde.spec_to_proto(s) for s in specs])
+    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "") -> JoinInfo:
+        """Joins the run; ``sync_every`` and ``codec`` (when given) must match the coordinator's,
+        ``can_upload``: this site can send θ₀ if the coordinator has none yet (init=site)."""
+        req = serde.join_request_to_proto(JoinRequest(site_id, tuple(specs), can_upload=can_upload, sync_every=sync_every, codec=codec))
         try:
             # wait_for_ready: a site started before its coordinator waits instead of failing.
             reply = self._stub.Join(req, timeout=self.connect_timeout_s, wait_for_ready=True)
@@ -73,13 +75,20 @@ class CoordinatorClient:
         return serde.join_info_from_proto(reply)
 
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        return self._stream(self._stub.PushDelta, header, chunks)
+
+    def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        """Sends this site's parameters as θ₀ (float32 chunks), when Join asked for them."""
+        return self._stream(self._stub.UploadInit, header, chunks)
+
+    def _stream(self, rpc: grpc.StreamUnaryMultiCallable, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         def messages() -> Iterator[pb.PushMessage]:
             yield pb.PushMessage(header=serde.header_to_proto(header))
             for c in chunks:
                 yield pb.PushMessage(chunk=serde.chunk_to_proto(c))
 
         try:
-            reply = self._stub.PushDelta(messages(), timeout=self.timeout_s, wait_for_ready=True)
+            reply = rpc(messages(), timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as e:
             raise _remote(e) from None
         return serde.push_result_from_proto(reply)
@@ -112,8 +121,10 @@ class CoordinatorClient:
             raise _remote(e) from None
         return serde.status_from_proto(reply)
 
-    def leave(self, site_id: str, global_sha256: str) -> None:
+    def leave(self, site_id: str, global_sha256: str, eval: SiteEval | None = None) -> None:
+        """Leaves the run, reporting the hash of the site's θ (and its last evaluation of it)."""
+        req = pb.LeaveRequest(site_id=site_id, global_sha256=global_sha256, **serde.eval_fields(eval))
         try:
-            self._stub.Leave(pb.LeaveRequest(site_id=site_id, global_sha256=global_sha256), timeout=self.timeout_s, wait_for_ready=True)
+            self._stub.Leave(req, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as e:
             raise _remote(e) from None

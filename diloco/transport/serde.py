@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 
 from diloco.boxes import Box
 from diloco.transport.pb import coordinator_pb2 as pb
-from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, TensorSpec
+from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
 
 def spec_to_proto(s: TensorSpec) -> pb.TensorSpec:
@@ -31,14 +31,35 @@ def chunk_from_proto(m: pb.TensorChunk) -> Chunk:
     )  # fmt: skip
 
 
+def eval_fields(e: SiteEval | None) -> dict[str, float | int]:
+    """The eval_loss / eval_tokens / eval_round fields of PushHeader and LeaveRequest."""
+    return {} if e is None else {"eval_loss": e.loss, "eval_tokens": e.tokens, "eval_round": e.round}
+
+
+def eval_from_proto(m: pb.PushHeader | pb.LeaveRequest) -> SiteEval | None:
+    return SiteEval(round=m.eval_round, loss=m.eval_loss, tokens=m.eval_tokens) if m.eval_tokens else None
+
+
 def header_to_proto(h: PushHeader) -> pb.PushHeader:
-    return pb.PushHeader(site_id=h.site_id, round=h.round, tokens=h.tokens, train_loss=h.train_loss, inner_steps=h.inner_steps, part=h.part, parts=h.parts)
+    return pb.PushHeader(
+        site_id=h.site_id, round=h.round, tokens=h.tokens, train_loss=h.train_loss, inner_steps=h.inner_steps, part=h.part, parts=h.parts,
+        **eval_fields(h.eval),
+    )  # fmt: skip
 
 
 def header_from_proto(m: pb.PushHeader) -> PushHeader:
     return PushHeader(
-        site_id=m.site_id, round=m.round, tokens=m.tokens, train_loss=m.train_loss, inner_steps=m.inner_steps, part=m.part, parts=m.parts or 1
-    )
+        site_id=m.site_id, round=m.round, tokens=m.tokens, train_loss=m.train_loss, inner_steps=m.inner_steps, part=m.part, parts=m.parts or 1,
+        eval=eval_from_proto(m),
+    )  # fmt: skip
+
+
+def join_request_to_proto(j: JoinRequest) -> pb.JoinRequest:
+    return pb.JoinRequest(site_id=j.site_id, params=[spec_to_proto(s) for s in j.specs], can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec)
+
+
+def join_request_from_proto(m: pb.JoinRequest) -> JoinRequest:
+    return JoinRequest(site_id=m.site_id, specs=tuple(spec_from_proto(s) for s in m.params), can_upload=m.can_upload, sync_every=m.sync_every, codec=m.codec)
 
 
 def boxes_to_proto(want: Mapping[str, Box] | None) -> list[pb.TensorBox]:
@@ -59,11 +80,11 @@ def push_result_from_proto(m: pb.PushReply) -> PushResult:
 
 
 def join_info_to_proto(j: JoinInfo) -> pb.JoinReply:
-    return pb.JoinReply(open_round=j.open_round, total_rounds=j.total_rounds, run_id=j.run_id, lease_s=j.lease_s)
+    return pb.JoinReply(open_round=j.open_round, total_rounds=j.total_rounds, run_id=j.run_id, lease_s=j.lease_s, upload_init=j.upload_init, eval_every=j.eval_every)
 
 
 def join_info_from_proto(m: pb.JoinReply) -> JoinInfo:
-    return JoinInfo(open_round=m.open_round, total_rounds=m.total_rounds, run_id=m.run_id, lease_s=m.lease_s)
+    return JoinInfo(open_round=m.open_round, total_rounds=m.total_rounds, run_id=m.run_id, lease_s=m.lease_s, upload_init=m.upload_init, eval_every=m.eval_every)
 
 
 def status_to_proto(s: RoundStatus) -> pb.RoundStatus:

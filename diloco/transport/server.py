@@ -19,6 +19,7 @@ _STATUS = {
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "out_of_range": grpc.StatusCode.OUT_OF_RANGE,
     "aborted": grpc.StatusCode.ABORTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
 # Messages carry chunks of at most 1 MiB plus a small header; 4 MiB is gRPC's default too.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -34,25 +35,33 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
-            info = self._c.join(request.site_id, [serde.spec_from_proto(s) for s in request.params])
+            j = serde.join_request_from_proto(request)
+            info = self._c.join(j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec)
         except CoordinatorError as e:
             _abort(context, e)
         return serde.join_info_to_proto(info)
 
     def PushDelta(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        return self._stream(request_iterator, context, self._c.push, "push")
+
+    def UploadInit(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        return self._stream(request_iterator, context, self._c.upload_init, "upload of θ₀")
+
+    def _stream(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext, take, what: str) -> pb.PushReply:
+        """A header, then chunks: the framing of a push and of the upload of θ₀."""
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a PushHeader message")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a {what} must start with a PushHeader message")
         header = serde.header_from_proto(first.header)
 
         def chunks():
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
-                    raise CoordinatorError("invalid_argument", "a push carries exactly one header, first")
+                    raise CoordinatorError("invalid_argument", f"a {what} carries exactly one header, first")
                 yield serde.chunk_from_proto(msg.chunk)
 
         try:
-            result = self._c.push(header, chunks())
+            result = take(header, chunks())
         except CoordinatorError as e:
             _abort(context, e)
         return serde.push_result_to_proto(result)
@@ -89,7 +98,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         try:
-            self._c.leave(request.site_id, request.global_sha256)
+            self._c.leave(request.site_id, request.global_sha256, serde.eval_from_proto(request))
         except CoordinatorError as e:
             _abort(context, e)
         return pb.LeaveReply()

@@ -13,7 +13,7 @@ from torch import nn
 
 from diloco.boxes import Box
 from diloco.coordinator.fingerprint import fingerprint
-from diloco.site.inner import clip_grad_norm
+from diloco.site.inner import clip_grad_norm, model_device
 from diloco.types import TensorSpec
 
 
@@ -83,7 +83,6 @@ class ParallelModel:
 
 
 _FLAG_BITS = 16
-MESH_DEVICE = "cpu"  # where the model's parameters live: device meshes must be of that type
 
 
 class DistributedModel(ParallelModel):
@@ -93,6 +92,9 @@ class DistributedModel(ParallelModel):
         super().__init__(model)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        # Where the model's parameters live (the CPU, or this rank's GPU): device meshes and
+        # pipeline stages are of that device; nccl carries their collectives on a GPU.
+        self.device = model_device(model)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.shape[0] % self.world:

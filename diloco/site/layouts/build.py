@@ -17,10 +17,11 @@ def launched_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_site_group(layout: LayoutConfig) -> None:
+def init_site_group(layout: LayoutConfig, device: torch.device | None = None) -> None:
     """Joins the site's process group, after checking that torchrun started as many ranks as
     the layout needs. Collectives on CPU tensors go over gloo, on GPU tensors (where there is
-    a GPU) over nccl: torch picks per tensor. (This version trains every site on the CPU.)"""
+    a GPU) over nccl: torch picks per tensor. ``device``: the rank's GPU, bound to the group
+    so nccl needs no guess."""
     launched = launched_ranks()
     if launched != layout.ranks:
         raise ValueError(
@@ -28,7 +29,11 @@ def init_site_group(layout: LayoutConfig) -> None:
             f"(start it with torchrun --nproc-per-node={layout.ranks})"
         )
     if layout.ranks > 1 and not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            on_gpu = device is not None and device.type == "cuda"
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device if on_gpu else None)
+        else:
+            dist.init_process_group("gloo")
 
 
 def close_site_group() -> None:

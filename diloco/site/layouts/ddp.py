@@ -30,7 +30,7 @@ class DDPModel(DistributedModel):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.model = DistributedDataParallel(model)
+        self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
         self._params = dict(model.named_parameters())
         self.owner = split_by_size({n: p.numel() for n, p in self._params.items()}, self.world)
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from diloco.boxes import Box
-from diloco.site.layouts.base import MESH_DEVICE, DistributedModel, Held
+from diloco.site.layouts.base import DistributedModel, Held
 
 
 def dtensor_box(p: DTensor) -> Box:
@@ -42,7 +42,7 @@ class FSDPModel(DistributedModel):
 
     def __init__(self, model: nn.Module, activation_checkpointing: bool = False) -> None:
         super().__init__(model)
-        mesh = init_device_mesh(MESH_DEVICE, (self.world,))
+        mesh = init_device_mesh(self.device.type, (self.world,))
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from diloco.boxes import Box
 from diloco.model import lm_loss
-from diloco.site.layouts.base import MESH_DEVICE, DistributedModel, Held
+from diloco.site.layouts.base import DistributedModel, Held
 
 
 class _Stage(nn.Module):
@@ -80,7 +80,7 @@ class PipelineModel(DistributedModel):
         # The group that sums the tied embedding's gradient: the first and the last stage
         # (created by every rank, as torch.distributed requires).
         self._tied_group = dist.new_group([0, self.world - 1]) if self.world > 2 else None
-        stage = PipelineStage(_Stage(model, lo, hi, first, last), self.rank, self.world, torch.device(MESH_DEVICE))
+        stage = PipelineStage(_Stage(model, lo, hi, first, last), self.rank, self.world, self.device)
         self._schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lm_loss)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

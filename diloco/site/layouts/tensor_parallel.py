@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from diloco.site.layouts.base import MESH_DEVICE, DistributedModel, Held
+from diloco.site.layouts.base import DistributedModel, Held
 from diloco.site.layouts.fsdp import dtensor_held, full_dtensor_state
 
 BLOCK_PLAN = {
@@ -56,7 +56,7 @@ class TensorParallelModel(DistributedModel):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.mesh = init_device_mesh(MESH_DEVICE, (self.world,), mesh_dim_names=("tp",))
+        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("tp",))
         tensor_parallel(model, self.mesh)
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ class TensorFSDPModel(DistributedModel):
         super().__init__(model)
         if self.world % tp:
             raise ValueError(f"layout tp2_fsdp2: {self.world} ranks do not split into tensor-parallel groups of {tp}")
-        self.mesh = init_device_mesh(MESH_DEVICE, (self.world // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh = init_device_mesh(self.device.type, (self.world // tp, tp), mesh_dim_names=("dp", "tp"))
         tensor_parallel(model, self.mesh["tp"])
         for block in model.blocks:
             fully_shard(block, mesh=self.mesh["dp"])

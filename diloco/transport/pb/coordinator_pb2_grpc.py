@@ -39,6 +39,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.JoinRequest.SerializeToString,
                 response_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.JoinReply.FromString,
                 _registered_method=True)
+        self.UploadInit = channel.stream_unary(
+                '/diloco.v1.Coordinator/UploadInit',
+                request_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushMessage.SerializeToString,
+                response_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushReply.FromString,
+                _registered_method=True)
         self.PushDelta = channel.stream_unary(
                 '/diloco.v1.Coordinator/PushDelta',
                 request_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushMessage.SerializeToString,
@@ -75,7 +80,16 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """A site announces itself and its model fingerprint; the reply says which round is open.
+        """A site announces itself and its model fingerprint; the reply says which round is open,
+        or (init=site, before theta_0 exists) that this site must upload its parameters first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadInit(self, request_iterator, context):
+        """The site that Join chose as the source of theta_0 (init=site) uploads its parameters as a
+        stream: one header, then float32 chunks, with the same framing and checks as a push.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +144,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.JoinRequest.FromString,
                     response_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.JoinReply.SerializeToString,
+            ),
+            'UploadInit': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadInit,
+                    request_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushMessage.FromString,
+                    response_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushReply.SerializeToString,
             ),
             'PushDelta': grpc.stream_unary_rpc_method_handler(
                     servicer.PushDelta,
@@ -189,6 +208,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/Join',
             diloco_dot_transport_dot_pb_dot_coordinator__pb2.JoinRequest.SerializeToString,
             diloco_dot_transport_dot_pb_dot_coordinator__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadInit(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/diloco.v1.Coordinator/UploadInit',
+            diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushMessage.SerializeToString,
+            diloco_dot_transport_dot_pb_dot_coordinator__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,286 @@
+"""Your own model: θ₀ from the first site (init=site) or a file (init=file), models the
+project does not know (model=custom, model=hf) through diloco-sim with evaluation where it
+fits, and every bad input named before any training step, the coordinator serving on."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.config import ConfigError, InitConfig, RunConfig
+from diloco.coordinator import Coordinator, CoordinatorConfig, CoordinatorError
+from diloco.coordinator.fingerprint import fingerprint
+from diloco.coordinator.init_file import InitFileError, load_init_file
+from diloco.coordinator.run import initial_params
+from diloco.codec import encode_chunks, get_codec
+from diloco.model import build_model, model_config
+from diloco.outer import OuterConfig, params_sha256
+from diloco.sim.launcher import check_before_start
+from diloco.transport import CoordinatorClient, RemoteError, serve
+from diloco.types import PushHeader
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sim_e2e import run_ok  # noqa: E402
+
+TINY = model_config("tiny", context=32, d_model=32, n_layers=1, n_heads=2, mlp_hidden=64)
+
+
+def _popen(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+# ---- a standalone coordinator, θ₀ from the first of two plain user loops ------------------
+
+
+@pytest.mark.timeout(180)
+def test_init_site_standalone_coordinator_with_two_user_loops(tmp_path: Path) -> None:
+    port_file = tmp_path / "port.json"
+    procs: list[subprocess.Popen] = []
+    logs = ["coord.log", "a.log", "b.log"]
+    try:
+        coord_args = ["init=site", "sites=2", "rounds=3", "sync_every=5", "coordinator.port=0", f"coordinator.port_file={port_file}"]
+        procs.append(_popen([str(BIN / "diloco-coordinator"), *coord_args, f"hydra.run.dir={tmp_path / 'coord'}"], tmp_path / "coord.log"))
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "coord.log").read_text()
+            time.sleep(0.1)
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+        for site, seed in (("a", 1), ("b", 2)):
+            args = ["--coordinator", address, "--site-id", site, "--seed", str(seed), "--steps", "15", "--sync-every", "5", "--out", str(tmp_path / f"{site}.json")]
+            procs.append(_popen([sys.executable, str(ROOT / "tests" / "user_loop_site.py"), *args], tmp_path / f"{site}.log"))
+        for p in procs:
+            assert p.wait(timeout=150) == 0, "\n".join((tmp_path / n).read_text() for n in logs)
+    finally:
+        _stop(procs)
+    final = json.loads((tmp_path / "coord" / "global.json").read_text())
+    metrics = [json.loads(line) for line in (tmp_path / "coord" / "metrics.jsonl").read_text().splitlines()]
+    assert final["rounds_committed"] == 3 and [m["round"] for m in metrics] == [0, 1, 2]
+    assert final["params"] == 16 * 64 + 64 + 64 + 1  # the user's MLP, not the built-in transformer
+    sites = {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in ("a", "b")}
+    # Exactly one site sent θ₀, and both started from it (they built their models from different seeds).
+    assert sorted(r["uploaded_init"] for r in sites.values()) == [False, True]
+    assert sites["a"]["start_sha256"] == sites["b"]["start_sha256"]
+    assert final["init_from"] in ("site 'a'", "site 'b'")
+    for r in sites.values():  # bit-identical to the coordinator after every round
+        assert r["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in metrics}
+        assert r["global_sha256"] == final["global_sha256"]
+        assert sum(r["losses"][-5:]) < sum(r["losses"][:5])  # the loss falls
+    assert all(m["participants"] == ["a", "b"] and m["tokens"] == 2 * 5 * 32 for m in metrics)
+    assert final["eval_by"] == "sites" and all(m["eval_loss"] is None for m in metrics)  # plain loops report no evaluation
+
+
+# ---- θ₀ in process: the election, refusals, restarts, files ------------------------------
+
+
+def _coordinator(tmp_path: Path | None = None, **kw: object) -> Coordinator:
+    cfg = CoordinatorConfig(total_rounds=2, min_sites=1, lease_s=30.0, checkpoint_dir=str(tmp_path / "ckpt") if tmp_path else None, **kw)  # type: ignore[arg-type]
+    return Coordinator(None, OuterConfig(), cfg)
+
+
+def _upload(coord: Coordinator, site: str, params: dict[str, torch.Tensor], codec: str = "fp32") -> None:
+    header = PushHeader(site_id=site, round=0, tokens=1, train_loss=math.nan, inner_steps=0)
+    coord.upload_init(header, encode_chunks(params, codec=get_codec(codec), round=0))
+
+
+def _params(seed: int) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in build_model(TINY, seed).named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_source_leaves_the_role_to_the_next_site_and_theta_unset() -> None:
+    coord = _coordinator()
+    good = _params(0)
+    specs = list(fingerprint(good).values())
+    assert coord.join("a", specs, can_upload=True).upload_init
+    bad = dict(good)
+    bad["norm.weight"] = torch.full_like(good["norm.weight"], float("nan"))
+    with pytest.raises(CoordinatorError, match=r"θ₀ from site 'a' refused: non-finite values in 'norm.weight'"):
+        _upload(coord, "a", bad)
+    assert not coord.ready and coord.global_sha256() == ""
+    assert coord.join("b", specs, can_upload=True).upload_init  # the next site takes the role
+    with pytest.raises(CoordinatorError, match="lossless"):
+        _upload(coord, "b", good, codec="int8")
+    assert coord.join("b", specs, can_upload=True).upload_init
+    _upload(coord, "b", good)
+    assert coord.ready and coord.global_sha256() == params_sha256(good) and coord.init_from == "site 'b'"
+    info = coord.join("c", specs, can_upload=True)  # later sites pull θ₀
+    assert not info.upload_init
+    with pytest.raises(CoordinatorError, match="θ₀ is already set"):
+        _upload(coord, "b", _params(1))
+    assert coord.global_sha256() == params_sha256(good)
+    with pytest.raises(CoordinatorError, match=r"does not match the coordinator's \(θ₀ from site 'b'\)"):
+        coord.join("d", list(fingerprint(_params(0) | {"extra": torch.zeros(3)}).values()))
+
+
+@pytest.mark.timeout(60)
+def test_two_sites_joining_at_once_elect_one_source_and_the_other_waits() -> None:
+    coord = _coordinator()
+    specs = list(fingerprint(_params(0)).values())
+    infos: dict[str, object] = {}
+    barrier = threading.Barrier(2)
+
+    def join(site: str) -> None:
+        barrier.wait()
+        infos[site] = coord.join(site, specs, can_upload=True)
+
+    threads = [threading.Thread(target=join, args=(s,)) for s in ("a", "b")]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(infos) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert len(infos) == 1  # one is the source; the other waits inside Join for θ₀
+    source = next(iter(infos))
+    assert infos[source].upload_init  # type: ignore[attr-defined]
+    _upload(coord, source, _params(0))
+    for t in threads:
+        t.join(10)
+    other = "b" if source == "a" else "a"
+    assert not infos[other].upload_init  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_restarted_coordinator_never_asks_for_theta0_again(tmp_path: Path) -> None:
+    from diloco.checkpoint import load_latest
+
+    coord = _coordinator(tmp_path)
+    good = _params(3)
+    specs = list(fingerprint(good).values())
+    coord.join("a", specs, can_upload=True)
+    _upload(coord, "a", good)
+    restarted = _coordinator(tmp_path)
+    restarted.restore(load_latest(tmp_path / "ckpt").state)  # type: ignore[union-attr]
+    assert restarted.ready and restarted.global_sha256() == params_sha256(good) and restarted.init_from == "site 'a'"
+    assert not restarted.join("b", specs, can_upload=True).upload_init
+
+
+@pytest.mark.timeout(60)
+def test_init_file_safetensors_and_torch_state_dict(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    params = _params(5)
+    save_file(params, str(tmp_path / "theta.safetensors"))
+    torch.save({"state_dict": params}, tmp_path / "theta.pt")
+    for name in ("theta.safetensors", "theta.pt"):
+        cfg = RunConfig(model=TINY, init=InitConfig(source="file", path=str(tmp_path / name)))
+        theta0, source = initial_params(cfg)
+        assert source == f"init.path={tmp_path / name}"
+        coord = Coordinator(theta0, OuterConfig(), CoordinatorConfig(total_rounds=1, init_source=source))
+        assert coord.global_sha256() == params_sha256(params)  # θ₀ is the file's tensors
+    # A bf16 checkpoint is widened to float32 exactly.
+    save_file({n: t.bfloat16() for n, t in params.items()}, str(tmp_path / "bf16.safetensors"))
+    widened = load_init_file(tmp_path / "bf16.safetensors")
+    assert all(widened[n].dtype == torch.float32 and torch.equal(widened[n], params[n].bfloat16().float()) for n in params)
+
+
+@pytest.mark.timeout(60)
+def test_bad_init_files_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    with pytest.raises(InitFileError, match=r"init.path=.*missing.safetensors: no such file"):
+        load_init_file(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.bin").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(InitFileError, match=r"junk.bin: neither a safetensors file nor a torch.save state dict"):
+        load_init_file(tmp_path / "junk.bin")
+    save_file({"w": torch.tensor([1.0, float("inf")])}, str(tmp_path / "inf.safetensors"))
+    with pytest.raises(InitFileError, match=r"inf.safetensors: 'w' holds 1 non-finite values"):
+        load_init_file(tmp_path / "inf.safetensors")
+    torch.save({"step": torch.tensor(3)}, tmp_path / "ints.pt")
+    with pytest.raises(InitFileError, match=r"ints.pt: 'step' is int64"):
+        load_init_file(tmp_path / "ints.pt")
+    # A file whose names or shapes differ from the sites' model: refused before any process
+    # starts (diloco-sim), and at Join naming the file (a real run); θ stays the file's.
+    other = _params(0)
+    other["norm.weight"] = torch.ones(7)
+    save_file(other, str(tmp_path / "other.safetensors"))
+    cfg = RunConfig(model=TINY, init=InitConfig(source="file", path=str(tmp_path / "other.safetensors")))
+    with pytest.raises(ConfigError, match=r"init.path=.*other.safetensors: does not fit model=tiny: 'norm.weight'"):
+        check_before_start(cfg)
+    theta0, source = initial_params(cfg)
+    coord = Coordinator(theta0, OuterConfig(), CoordinatorConfig(total_rounds=1, init_source=source))
+    server, port = serve(coord, "127.0.0.1", 0)
+    try:
+        with CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10) as client:
+            with pytest.raises(RemoteError, match=r"INVALID_ARGUMENT: .*θ₀ from init.path=.*other.safetensors.*'norm.weight'"):
+                client.join("0", fingerprint(_params(0)).values())
+            assert client.join("1", fingerprint(other).values()).open_round == 0  # the coordinator serves on
+    finally:
+        server.stop(grace=None).wait(5)
+    assert coord.global_sha256() == params_sha256(other)
+
+
+@pytest.mark.timeout(60)
+def test_site_with_another_h_or_codec_is_refused_at_join() -> None:
+    params = _params(0)
+    coord = Coordinator(params, OuterConfig(), CoordinatorConfig(total_rounds=1, sync_every=50, codec_up="int8"))
+    specs = list(fingerprint(params).values())
+    with pytest.raises(CoordinatorError, match=r"site 'a' has sync_every=10, this run has sync_every=50"):
+        coord.join("a", specs, sync_every=10, codec="int8")
+    with pytest.raises(CoordinatorError, match=r"site 'a' pushes with codec='fp32', this run's codec is int8"):
+        coord.join("a", specs, sync_every=50, codec="fp32")
+    assert coord.active_sites == frozenset()
+    coord.join("a", specs, sync_every=50, codec="int8")
+    assert coord.active_sites == {"a"} and coord.global_sha256() == params_sha256(params)
+
+
+@pytest.mark.timeout(60)
+def test_bad_models_and_devices_fail_before_any_process_starts() -> None:
+    with pytest.raises(ConfigError, match=r"model.factory='no_such_module_xyz:f': cannot import module 'no_such_module_xyz'"):
+        check_before_start(RunConfig(model=model_config("custom", factory="no_such_module_xyz:f")))
+    with pytest.raises(ConfigError, match=r"returned int, which is not a torch.nn.Module"):
+        check_before_start(RunConfig(model=model_config("custom", factory="tests.user_models:not_a_module")))
+    with pytest.raises(ConfigError, match="layout=tp2: cuts the built-in transformer's modules"):
+        RunConfig(model=model_config("custom", factory="tests.user_models:mlp_lm"), layout="tp2")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device=cuda: this machine has no usable CUDA GPU"):
+            check_before_start(RunConfig(device="cuda"))
+
+
+# ---- models the project does not know, through diloco-sim -------------------------------
+
+SIM = ["sites=2", "rounds=2", "sync_every=3", "data.batch_size=4", "eval_every=1", "sim.timeout_s=150"]
+
+
+@pytest.mark.timeout(200)
+def test_model_custom_with_init_site_evaluated_by_the_sites(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the user's factory module is importable in every process
+    run = run_ok(tmp_path / "custom", *SIM, "model=custom", "model.factory=tests.user_models:mlp_lm", "model.kwargs={hidden:32}", "init=site", timeout=180)
+    s, metrics = run.summary, run.metrics
+    assert s["hashes_equal"] and s["rounds_committed"] == 2 and s["eval_by"] == "sites"
+    assert s["params"] == sum(p.numel() for p in build_model(model_config("custom", factory="tests.user_models:mlp_lm", kwargs={"hidden": 32}), 0).parameters())
+    for m in metrics:  # the sites' token-weighted held-out loss; bits per byte since the data are bytes
+        assert m["eval_by"] == "sites" and m["eval_sites"] == ["0", "1"] and math.isclose(m["eval_bpb"], m["eval_loss"] / math.log(2))
+    for w in run.workers().values():
+        assert w["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in metrics}
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+
+
+@pytest.mark.timeout(200)
+def test_model_hf_through_diloco_sim(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    run = run_ok(tmp_path / "hf", *SIM, "model=hf", timeout=180)
+    s, metrics = run.summary, run.metrics
+    assert s["hashes_equal"] and s["rounds_committed"] == 2 and s["eval_by"] == "coordinator" and s["final_eval_loss"] > 0
+    assert all(m["eval_by"] == "coordinator" for m in metrics)
+    for w in run.workers().values():
+        assert w["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in metrics}
