@@ -284,3 +284,21 @@ def test_model_hf_through_diloco_sim(tmp_path: Path) -> None:
     assert all(m["eval_by"] == "coordinator" for m in metrics)
     for w in run.workers().values():
         assert w["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in metrics}
+
+
+@pytest.mark.timeout(200)
+def test_token_file_through_diloco_sim_reports_nats_not_bits_per_byte(tmp_path: Path) -> None:
+    import numpy as np
+
+    from diloco.data import shipped_corpus_files
+
+    # The shipped corpus, as 16-bit token ids (here one id per byte, offset so no id is a byte value).
+    raw = b"\n\n".join(p.read_bytes() for p in shipped_corpus_files()[:4])
+    path = tmp_path / "train.bin"
+    (np.frombuffer(raw, dtype=np.uint8).astype(np.uint16) + 256).tofile(path)
+    tokens = ["data.format=tokens", f"data.path={path}", "data.dtype=uint16", "data.vocab_size=512", "+model.vocab_size=512"]
+    run = run_ok(tmp_path / "tokens", *SIM, *tokens, timeout=180)
+    s, metrics = run.summary, run.metrics
+    assert s["hashes_equal"] and s["eval_by"] == "coordinator" and s["final_eval_bpb"] is None and s["final_eval_loss"] > 0
+    assert all(m["eval_bpb"] is None and m["eval_loss"] > 0 for m in metrics)
+    assert metrics[-1]["eval_loss"] < math.log(512)  # better than a uniform guess over the vocabulary
