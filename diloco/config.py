@@ -131,6 +131,8 @@ class RunConfig:
                 object.__setattr__(self, "site_layouts", names)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.init.source == "site" and self.mode == "diloco" and all(self.layout_of(s).ranks > 1 for s in range(self.sites)):
+            raise ConfigError("init=site: θ₀ is sent whole by a one-rank site, and every site here is a torchrun group; use init=model or init=file")
         if not is_builtin(self.model):
             for n in {self.layout_of(s).name for s in range(self.sites)} & set(BUILTIN_ONLY_LAYOUTS):
                 raise ConfigError(f"layout={n}: cuts the built-in transformer's modules; model={self.model.name} runs with single, ddp2 or fsdp2")

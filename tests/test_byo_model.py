@@ -249,6 +249,8 @@ def test_bad_models_and_devices_fail_before_any_process_starts() -> None:
         check_before_start(RunConfig(model=model_config("custom", factory="no_such_module_xyz:f")))
     with pytest.raises(ConfigError, match=r"returned int, which is not a torch.nn.Module"):
         check_before_start(RunConfig(model=model_config("custom", factory="tests.user_models:not_a_module")))
+    with pytest.raises(ConfigError, match="init=site: θ₀ is sent whole by a one-rank site, and every site here is a torchrun group"):
+        RunConfig(sites=2, layout="fsdp2", init=InitConfig(source="site"))
     with pytest.raises(ConfigError, match="layout=tp2: cuts the built-in transformer's modules"):
         RunConfig(model=model_config("custom", factory="tests.user_models:mlp_lm"), layout="tp2")
     if not torch.cuda.is_available():
