@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from diloco.outer import OuterConfig, params_sha256
 from diloco.site.inner import InnerConfig, InnerTrainer
 from diloco.site.outer_sync import OuterSync
 from diloco.transport import CoordinatorClient, serve
-from test_sim_e2e import Run, _kill_group
+from test_sim_e2e import run_sim
 
 DRY = os.environ.get("DILOCO_TEST_CUDA_ON_CPU") == "1"
 DEVICE = "cpu" if DRY else "cuda"
@@ -163,33 +160,6 @@ def _assert_host_copy(sync: OuterSync) -> None:
 # ---- diloco-sim: two sites on one GPU ----------------------------------------------------------
 
 
-def _sim_command() -> list[str]:
-    """diloco-sim as installed (next to this Python, or on PATH), else its module."""
-    beside = Path(sys.executable).parent / "diloco-sim"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("diloco-sim")
-    return [found] if found else [sys.executable, "-m", "diloco.cli.sim"]
-
-
-def _run_sim(run_dir: Path, *overrides: str, timeout: float) -> Run:
-    run_dir = run_dir.resolve()
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    popen = subprocess.Popen(
-        [*_sim_command(), *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=run_dir.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(popen)
-        stdout, stderr = popen.communicate()
-        pytest.fail(f"diloco-sim did not finish within {timeout}s\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    finally:
-        _kill_group(popen)  # nothing of the run may outlive it
-    return Run(run_dir, popen.returncode, stdout, stderr)
-
-
 @pytest.mark.timeout(300)
 def test_two_sites_share_one_gpu_bit_identical(tmp_path: Path) -> None:
     sites, h, rounds = 2, 10, 3
@@ -199,7 +169,7 @@ def test_two_sites_share_one_gpu_bit_identical(tmp_path: Path) -> None:
     ]  # fmt: skip
     if ON_GPU:
         overrides.append("device=cuda")
-    run = _run_sim(tmp_path / "run", *overrides, timeout=280)
+    run = run_sim(tmp_path / "run", *overrides, timeout=280)
     assert run.returncode == 0, run.describe()
 
     config = run.json("config.json")

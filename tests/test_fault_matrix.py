@@ -161,11 +161,11 @@ def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
     import subprocess
     import time
 
-    from test_sim_e2e import _kill_group, _sim_executable
+    from test_sim_e2e import _kill_group, _sim_command
 
     run_dir = tmp_path / "run"
     args = [*BASE, "rounds=6", f"hydra.run.dir={run_dir}"]
-    popen = subprocess.Popen([_sim_executable(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    popen = subprocess.Popen([*_sim_command(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 200
         metrics = run_dir / "metrics.jsonl"
