@@ -304,3 +304,28 @@ def test_token_file_through_diloco_sim_reports_nats_not_bits_per_byte(tmp_path: 
     assert s["hashes_equal"] and s["eval_by"] == "coordinator" and s["final_eval_bpb"] is None and s["final_eval_loss"] > 0
     assert all(m["eval_bpb"] is None and m["eval_loss"] > 0 for m in metrics)
     assert metrics[-1]["eval_loss"] < math.log(512)  # better than a uniform guess over the vocabulary
+
+
+@pytest.mark.timeout(60)
+def test_a_push_with_a_bad_evaluation_is_refused_and_changes_nothing() -> None:
+    from diloco.types import SiteEval
+
+    params = _params(0)
+    coord = Coordinator(params, OuterConfig(), CoordinatorConfig(total_rounds=2, min_sites=1, site_eval_every=1))
+    coord.join("a", list(fingerprint(params).values()))
+    delta = {n: torch.full_like(p, 1e-3) for n, p in params.items()}
+    for bad, why in ((SiteEval(round=0, loss=1.0, tokens=10), r"eval_round=0; committed rounds are 0..-1"),
+                     (SiteEval(round=-1, loss=1.0, tokens=10), "eval_round=-1"),):
+        header = PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
+        with pytest.raises(CoordinatorError, match=why):
+            coord.push(header, encode_chunks(delta, codec=get_codec("fp32"), round=0))
+    assert coord.committed_rounds == 0 and coord.global_sha256() == params_sha256(params)
+    coord.push(PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32"), round=0))
+    for bad, why in ((SiteEval(round=0, loss=float("nan"), tokens=10), "eval_loss=nan"), (SiteEval(round=0, loss=1.0, tokens=0), "eval_tokens=0")):
+        header = PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
+        with pytest.raises(CoordinatorError, match=why):
+            coord.push(header, encode_chunks(delta, codec=get_codec("fp32"), round=1))
+    assert coord.committed_rounds == 1 and coord.site_eval(0) is None
+    good = SiteEval(round=0, loss=2.0, tokens=10)
+    coord.push(PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=good), encode_chunks(delta, codec=get_codec("fp32"), round=1))
+    assert coord.site_eval(0) == {"loss": 2.0, "tokens": 10, "sites": ["a"]}

@@ -9,9 +9,14 @@ Not thread-safe on its own: the coordinator calls it under its lock. The clock i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
-from diloco.types import TensorSpec
+import torch
+
+from diloco.codec import ChunkAssembler, CodecError, is_lossless
+from diloco.types import Chunk, TensorSpec
+
+KEEP_ALIVE_EVERY = 64  # chunks (of <= 1 MiB) between lease renewals while θ₀ is uploaded
 
 
 class InitElection:
@@ -58,3 +63,38 @@ class InitElection:
         if self.source == site_id:
             self.source, self.specs, self.uploading = None, {}, False
             self.refused.append(why)
+
+
+def upload_problem(declared: Mapping[str, TensorSpec], count: int) -> str | None:
+    """Why a fingerprint cannot become θ₀'s, or None: θ is kept and averaged in float32."""
+    if not declared:
+        return "its model has no parameters"
+    if len(declared) != count:
+        return "its fingerprint names a parameter twice"
+    for spec in declared.values():
+        if not spec.name:
+            return "a parameter has an empty name"
+        if spec.dtype != "float32":
+            return f"parameter {clip(spec.name)} is {clip(spec.dtype)}; θ is kept in float32 (keep the parameters float32 and train in bf16 with autocast)"
+    return None
+
+
+def decode_upload(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], keep_alive: Callable[[], None]) -> tuple[dict[str, torch.Tensor], int]:
+    """The uploaded θ₀ (every declared tensor, whole, lossless, finite) and its payload bytes;
+    CodecError naming what was wrong. ``keep_alive`` is called every KEEP_ALIVE_EVERY chunks
+    (an upload may outlast the source's lease)."""
+    assembler = ChunkAssembler(specs)
+    for i, chunk in enumerate(chunks):
+        if i % KEEP_ALIVE_EVERY == KEEP_ALIVE_EVERY - 1:
+            keep_alive()
+        if not is_lossless(chunk.codec):
+            raise CodecError(f"chunk of {chunk.name!r} is encoded with {clip(chunk.codec)}; θ₀ must be sent lossless (fp32)")
+        if chunk.box_shape or chunk.box_start:
+            raise CodecError(f"chunk of {chunk.name!r} holds a slice; θ₀ is sent whole, from a one-rank site")
+        assembler.add(chunk)
+    return assembler.finish(), assembler.payload_bytes
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """Client text quoted in a message, cut to ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")

@@ -26,12 +26,13 @@ from diloco.codec.chunks import MAX_CHUNK_BYTES
 from diloco.checkpoint import save_checkpoint
 from diloco.coordinator.errors import CoordinatorError
 from diloco.coordinator.fingerprint import fingerprint, mismatches
-from diloco.coordinator.init_source import InitElection
+from diloco.coordinator.init_source import InitElection, clip as _clip, decode_upload, upload_problem
 from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_policy import RoundPolicy
+from diloco.coordinator.site_evals import SiteEvals
 from diloco.outer import AGGREGATES, OuterConfig, OuterOptimizer, WeightedMean, params_sha256
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
@@ -117,7 +118,7 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]
         self._outer_cfg = outer
         self._election = InitElection(cfg.lease_s, clock)
-        self._site_evals: dict[int, dict[str, SiteEval]] = {}  # round -> site -> its evaluation of θ after it
+        self._site_evals = SiteEvals()  # evaluation by the sites
         self.on_init: list[Callable[[str], None]] = []  # called with who sent θ₀ (init=site)
         self._cv = threading.Condition()
         self._members = Membership(cfg.lease_s, clock)
@@ -227,7 +228,7 @@ class Coordinator:
             while not self._ready:
                 if can_upload:
                     declared = {s.name: s for s in specs}
-                    why = _upload_problem(declared, len(specs))
+                    why = upload_problem(declared, len(specs))
                     if why is not None:
                         raise CoordinatorError("invalid_argument", f"site {site_id!r} cannot send θ₀: {why}")
                     if self._election.choose(site_id, declared):
@@ -281,21 +282,15 @@ class Coordinator:
             if why is not None:
                 raise CoordinatorError("failed_precondition", why)
             specs = dict(self._election.specs)
+        def keep_alive() -> None:
+            with self._cv:
+                try:
+                    self._members.renew(site)
+                except KeyError as e:
+                    raise CodecError(f"the upload stopped counting: {e.args[0]}") from None
+
         try:
-            assembler = ChunkAssembler(specs)
-            for i, chunk in enumerate(chunks):
-                if i % 64 == 63:  # an upload may outlast the lease: every chunk that arrives counts as a heartbeat
-                    with self._cv:
-                        try:
-                            self._members.renew(site)
-                        except KeyError as e:
-                            raise CodecError(f"the upload stopped counting: {e.args[0]}") from None
-                if not is_lossless(chunk.codec):
-                    raise CodecError(f"chunk of {chunk.name!r} is encoded with {_clip(chunk.codec)}; θ₀ must be sent lossless (fp32)")
-                if chunk.box_shape or chunk.box_start:
-                    raise CodecError(f"chunk of {chunk.name!r} holds a slice; θ₀ is sent whole, from a one-rank site")
-                assembler.add(chunk)
-            params = assembler.finish()
+            params, payload_bytes = decode_upload(specs, chunks, keep_alive)
         except BaseException as e:
             reason = str(e) if isinstance(e, CodecError) else f"the upload broke off ({type(e).__name__})"
             with self._cv:
@@ -313,7 +308,7 @@ class Coordinator:
             self._cv.notify_all()
         for listener in self.on_init:
             listener(self.init_from)
-        return PushResult(accepted=True, duplicate=False, round=0, payload_bytes=assembler.payload_bytes)
+        return PushResult(accepted=True, duplicate=False, round=0, payload_bytes=payload_bytes)
 
     def leave(self, site_id: str, global_sha256: str, eval: SiteEval | None = None) -> None:
         with self._cv:
@@ -321,30 +316,20 @@ class Coordinator:
                 raise CoordinatorError("failed_precondition", self._members.why_not_active(site_id))
             if eval is not None:
                 self._check_eval(site_id, eval)
-                self._site_evals.setdefault(eval.round, {})[site_id] = eval
+                self._site_evals.add(site_id, eval)
             self._members.leave(site_id)
             self._left[site_id] = global_sha256
             self._cv.notify_all()
 
     def _check_eval(self, site_id: str, e: SiteEval) -> None:
-        """A site's evaluation must be of a committed round, finite, over a sane token count."""
-        if not 0 <= e.round < self._open:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} reports eval_round={e.round}; committed rounds are 0..{self._open - 1}")
-        if not (math.isfinite(e.loss) and e.loss >= 0):
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} reports eval_loss={e.loss}; must be a finite number >= 0")
-        if not 0 < e.tokens < 2**53:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} reports eval_tokens={e.tokens}; must be in 1..2^53")
+        why = SiteEvals.problem(site_id, e, self._open)
+        if why is not None:
+            raise CoordinatorError("invalid_argument", why)
 
     def site_eval(self, round: int) -> dict[str, Any] | None:
-        """The sites' evaluation of θ after ``round``: token-weighted mean loss (nats per token),
-        tokens and the reporting sites; None if no site reported one."""
+        """The sites' evaluation of θ after ``round`` (SiteEvals.mean)."""
         with self._cv:
-            evals = dict(self._site_evals.get(round, {}))
-        if not evals:
-            return None
-        tokens = sum(e.tokens for e in evals.values())
-        loss = sum(e.loss * e.tokens for e in evals.values()) / tokens
-        return {"loss": loss, "tokens": tokens, "sites": sorted(evals)}
+            return self._site_evals.mean(round)
 
     def heartbeat(self, site_id: str) -> RoundStatus:
         """Renews the site's lease; refused (failed_precondition) once it was evicted."""
@@ -395,7 +380,7 @@ class Coordinator:
     def _record_eval(self, header: PushHeader) -> None:
         """Keeps the evaluation an accepted push carried (checked in _check_push)."""
         if header.eval is not None:
-            self._site_evals.setdefault(header.eval.round, {})[header.site_id] = header.eval
+            self._site_evals.add(header.site_id, header.eval)
 
     def _require_member(self, site_id: str) -> None:
         """Every call of a site counts as a heartbeat; an unknown, evicted or departed site is refused."""
@@ -567,8 +552,7 @@ class Coordinator:
         self._records[r] = record.summary()
         for old in [k for k in self._records if k <= r - _KEEP_RECORDS]:
             del self._records[old]
-        for old in [k for k in self._site_evals if k <= r - _KEEP_RECORDS]:
-            del self._site_evals[old]
+        self._site_evals.prune(before=r - _KEEP_RECORDS + 1)
         self._evicted = []
         self._merged = []
         self._sliced = {}
@@ -716,25 +700,6 @@ class Coordinator:
 _KEEP_RECORDS = 16
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
 JOIN_WAIT_S = 20.0  # init=site: how long a Join waits for θ₀ before it is told to try again
-
-
-def _upload_problem(declared: Mapping[str, TensorSpec], count: int) -> str | None:
-    """Why a fingerprint cannot become θ₀'s, or None: θ is kept and averaged in float32."""
-    if not declared:
-        return "its model has no parameters"
-    if len(declared) != count:
-        return "its fingerprint names a parameter twice"
-    for spec in declared.values():
-        if not spec.name:
-            return "a parameter has an empty name"
-        if spec.dtype != "float32":
-            return f"parameter {_clip(spec.name)} is {_clip(spec.dtype)}; θ is kept in float32 (keep the parameters float32 and train in bf16 with autocast)"
-    return None
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    """Client text quoted in a message, cut to ``limit`` characters."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def _describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:
