@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from diloco.codec import CodecConfig
-from diloco.site.outer_sync import OuterSync
+from diloco.site.exchange import Timeouts
+from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.transport import CoordinatorClient
 
 AFTER_LAST_ROUND = ("warn", "raise")
@@ -75,14 +76,14 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def check_sync_args(error_feedback: object = True, error_feedback_decay: object = 1.0, round_timeout_s: object = 3600.0) -> None:
+def check_sync_args(error_feedback: object = True, error_feedback_decay: object = None, round_timeout_s: object = 3600.0) -> None:
     """Raises ValueError, naming the argument, for an ``error_feedback`` that is not a bool,
     an ``error_feedback_decay`` outside [0, 1] or a ``round_timeout_s`` that is not > 0
     (``math.inf``: wait for ever)."""
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback={error_feedback!r}: must be True or False")
-    if not (_is_number(error_feedback_decay) and 0.0 <= error_feedback_decay <= 1.0):  # type: ignore[operator]
-        raise ValueError(f"error_feedback_decay={error_feedback_decay!r}: must be a number in [0, 1]")
+    if error_feedback_decay is not None and not (_is_number(error_feedback_decay) and 0.0 <= error_feedback_decay <= 1.0):  # type: ignore[operator]
+        raise ValueError(f"error_feedback_decay={error_feedback_decay!r}: must be None (the codec's best) or a number in [0, 1]")
     if not (_is_number(round_timeout_s) and round_timeout_s > 0):  # type: ignore[operator]  (NaN fails too)
         raise ValueError(f"round_timeout_s={round_timeout_s!r}: must be a number of seconds > 0")
 
@@ -149,7 +150,7 @@ class DiLoCo:
         tokens_per_step: int = 1,
         codec: CodecConfig | str = "fp32",
         error_feedback: bool = True,
-        error_feedback_decay: float = 1.0,
+        error_feedback_decay: float | None = None,
         round_timeout_s: float = 3600.0,
         after_last_round: str = "warn",
         connect_timeout_s: float = 120.0,
@@ -164,11 +165,11 @@ class DiLoCo:
         self.tokens_per_step = tokens_per_step
         self.after_last_round = after_last_round
         self._client = CoordinatorClient(coordinator, connect_timeout_s=connect_timeout_s)
-        self.sync = OuterSync(
-            model, self._client, str(site_id), codec=codec,
-            error_feedback=error_feedback, error_feedback_decay=float(error_feedback_decay), round_timeout_s=float(round_timeout_s),
+        options = SyncOptions(
+            codec=codec, error_feedback=error_feedback, error_feedback_decay=None if error_feedback_decay is None else float(error_feedback_decay), timeouts=Timeouts(round_timeout_s=float(round_timeout_s)),
             sync_every=sync_every,  # the coordinator refuses a site whose H is not the run's
         )  # fmt: skip
+        self.sync = OuterSync(model, self._client, str(site_id), options)
         self._hook: Any = None
         self._steps_in_round = 0
         self._tokens_in_round = 0
@@ -314,16 +315,16 @@ class DiLoCo:
         """The rounds committed without this site's push (it came too late, or the site had
         been evicted): their local work did not count, and the site went on from the
         coordinator's θ. Empty when every push counted."""
-        return list(self.sync.dropped_rounds)
+        return list(self.sync.stats.dropped_rounds)
 
     @property
     def merged_rounds(self) -> list[int]:
         """The rounds whose push came late but was merged, discounted, into a later round
         (coordinator option ``late="merge"``): the work counted, the site then went on from
         the coordinator's θ."""
-        return list(self.sync.merged_rounds)
+        return list(self.sync.stats.merged_rounds)
 
     @property
     def rejoins(self) -> int:
         """How many times the site had to join the run again (it had been evicted)."""
-        return self.sync.rejoins
+        return self.sync.stats.rejoins

@@ -28,7 +28,6 @@ class Chunk:
     numel: int
     codec: str
     payload: bytes
-    round: int = 0
     box_start: tuple[int, ...] = ()  # a slice of the tensor (see diloco.boxes); empty: the whole tensor,
     box_shape: tuple[int, ...] = ()  # else offset and numel count elements of the box's flat view
 
@@ -84,7 +83,6 @@ class PushResult:
 
 @dataclass(frozen=True)
 class JoinInfo:
-    open_round: int
     total_rounds: int
     run_id: str
     lease_s: float = 60.0  # the coordinator evicts a site silent this long
@@ -94,7 +92,6 @@ class JoinInfo:
 
 @dataclass(frozen=True)
 class RoundStatus:
-    committed_rounds: int  # rounds 0 .. committed_rounds - 1 are committed
-    open_round: int
+    committed_rounds: int  # rounds 0 .. committed_rounds - 1 are committed; round committed_rounds is open
     total_rounds: int
     global_sha256: str

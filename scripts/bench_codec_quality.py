@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quality import apply_override, parse_override  # noqa: E402
 
-from diloco.codec.chunks import encoded_bytes  # noqa: E402
-from diloco.config import RunConfig, run_config_from_dict, run_config_to_dict  # noqa: E402
+from diloco.wire.chunks import encoded_bytes  # noqa: E402
+from diloco.app.config import RunConfig, run_config_from_dict, run_config_to_dict  # noqa: E402
 from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
 from diloco.sim.launcher import SimError, SimStopped, run_simulation  # noqa: E402

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.codec import encode_chunks, make_codec
+from diloco.codec import make_codec
+from diloco.wire import encode_chunks
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, model_config
 from diloco.site.inner import InnerConfig, InnerTrainer
@@ -80,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         codec = make_codec(name.removesuffix(":torch"))
         if name.endswith(":torch"):
             codec.use_native = False
-        chunks = list(encode_chunks(delta, codec=codec, round=0))
+        chunks = list(encode_chunks(delta, codec=codec))
         size = sum(len(c.payload) for c in chunks)
-        enc_s = timed(lambda: list(encode_chunks(delta, codec=codec, round=0)), args.repeats)
+        enc_s = timed(lambda: list(encode_chunks(delta, codec=codec)), args.repeats)
         dec_s = timed(lambda: [codec.decode(c.payload, c.numel) for c in chunks], args.repeats)
         decoded = {}
         for c in chunks:

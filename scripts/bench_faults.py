@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.config import run_config_from_dict
+from diloco.app.config import run_config_from_dict
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimStopped, run_simulation
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco.config import run_config_from_dict
+from diloco.app.config import run_config_from_dict
 from diloco.io import write_json_atomic
 from diloco.sim.launcher import run_simulation
 from diloco.site.layouts.config import LAYOUT_RANKS

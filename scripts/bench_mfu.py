@@ -15,7 +15,7 @@ random token ids over the model's vocabulary at its full context (no data loadin
 through one real outer round against a coordinator this process serves on 127.0.0.1) next
 to a plain training loop of the same model, optimizer and batch; each runs in a fresh child
 process (GPU: torch.cuda.max_memory_allocated/reserved; host: peak RSS).
-``--sync``: the outer sync's time split (OuterSync.timings: delta_s, encode_s, push_s,
+``--sync``: the outer sync's time split (OuterSync.stats.timings: delta_s, encode_s, push_s,
 wait_s, pull_s, apply_s) with the model on the device, median over ``--sync-rounds`` rounds
 of one site against an in-process coordinator (its work shares this process).
 ``--no-mfu`` skips the MFU measurement (for --memory/--sync alone).
@@ -314,10 +314,11 @@ def coordinator(cfg: Any, rounds: int) -> Iterator[tuple[Any, str]]:
 
 
 def _outer_sync(model: torch.nn.Module, client: Any) -> Any:
-    from diloco.site.outer_sync import OuterSync
+    from diloco.site.exchange import Timeouts
+    from diloco.site.outer_sync import OuterSync, SyncOptions
 
     # Bounded waits, so that a round that cannot close fails the section instead of hanging.
-    return OuterSync(model, client, "0", wait_poll_s=5.0, round_timeout_s=300.0, reconnect_timeout_s=30.0)
+    return OuterSync(model, client, "0", SyncOptions(timeouts=Timeouts(wait_poll_s=5.0, round_timeout_s=300.0, reconnect_timeout_s=30.0)))
 
 
 def _global_copy(sync: Any) -> dict[str, Any]:
@@ -364,7 +365,7 @@ def measure_sync(args: argparse.Namespace, device: torch.device) -> dict[str, An
             sync.leave()
         finally:
             sync.close()
-    timings = sync.timings
+    timings = sync.stats.timings
     parts = {k: _r(_median([t[k] for t in timings if k in t]), 5) for k in SYNC_PARTS}
     payload = 4 * params  # fp32 uplink and downlink
     return {
@@ -373,7 +374,7 @@ def measure_sync(args: argparse.Namespace, device: torch.device) -> dict[str, An
         "per_round": timings, "payload_mb": round(payload / MiB, 1),
         "push_mb_per_s": _r(payload / MiB / parts["push_s"], 1) if parts.get("push_s") else None,
         "pull_mb_per_s": _r(payload / MiB / parts["pull_s"], 1) if parts.get("pull_s") else None,
-        "bytes_up": sync.bytes_up, "bytes_down": sync.bytes_down, "hash_equals_coordinator": same_hash,
+        "bytes_up": sync.stats.bytes_up, "bytes_down": sync.stats.bytes_down, "hash_equals_coordinator": same_hash,
         "model_equals_theta": model_is_theta, "model_devices": sorted(on_device), "global_copy": copy,
     }  # fmt: skip
 

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
+from diloco.app.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
 from diloco.data import DataError
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimError, SimStopped, run_simulation

@@ -16,9 +16,11 @@ import torch
 from fakes import FakeClock
 
 from diloco.api import DiLoCo, RunFinished, RunFinishedWarning
-from diloco.codec import encode_chunks, get_codec
+from diloco.codec import get_codec
+from diloco.wire import encode_chunks
+from diloco.coordinator.round_policy import QuorumConfig
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.wire.fingerprint import fingerprint
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, lm_loss, model_config
 from diloco.outer import OuterConfig, params_sha256
@@ -143,14 +145,14 @@ def test_a_dropped_round_shows_on_the_object() -> None:
     makes it deterministic): the DiLoCo site's push is refused, its work dropped; it goes on
     from θ and takes part in round 1."""
     clock = FakeClock()
-    cfg = CoordinatorConfig(total_rounds=2, min_sites=1, lease_s=100, deadline="fixed", deadline_s=30)
+    cfg = CoordinatorConfig(total_rounds=2, min_sites=1, quorum=QuorumConfig(lease_s=100, deadline="fixed", deadline_s=30))
     with _coordinator(cfg, clock) as (coord, address, records):
         theta0 = dict(build_model(MODEL, seed=0).named_parameters())
         zeros = {n: torch.zeros_like(p) for n, p in theta0.items()}
 
         def other_pushes(round: int) -> None:
             header = PushHeader(site_id="other", round=round, tokens=10, train_loss=1.0, inner_steps=1)
-            assert other.push(header, encode_chunks(zeros, codec=get_codec("fp32"), round=round)).accepted
+            assert other.push(header, encode_chunks(zeros, codec=get_codec("fp32"))).accepted
 
         model, optimizer, sampler = _loop()
         with CoordinatorClient(address, timeout_s=30) as other:
@@ -167,7 +169,7 @@ def test_a_dropped_round_shows_on_the_object() -> None:
                     optimizer.step()
                     optimizer.zero_grad()
                 assert dl.finished
-            assert dl.dropped_rounds == dl.sync.dropped_rounds == [0]
+            assert dl.dropped_rounds == dl.sync.stats.dropped_rounds == [0]
             assert dl.merged_rounds == [] and dl.rejoins == 0
         assert [sorted(r.participants) for r in records] == [["other"], ["late", "other"]]
         assert records[1].tokens == 10 + 2  # the dropped round's tokens counted nowhere
@@ -188,7 +190,8 @@ def test_sync_settings_reach_outer_sync(error_feedback: bool) -> None:
             error_feedback=error_feedback, error_feedback_decay=0.5, round_timeout_s=42.0,
         ) as dl:  # fmt: skip
             sync = dl.sync
-            assert (sync.error_feedback, sync.error_feedback_decay, sync.round_timeout_s) == (error_feedback, 0.5, 42.0)
+            o = sync.options
+            assert (o.error_feedback, o.error_feedback_decay, o.timeouts.round_timeout_s) == (error_feedback, 0.5, 42.0)
             _forward_backward(model, sampler)
             optimizer.step()
             assert dl.finished

@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.config import ConfigError, InitConfig, RunConfig
+from diloco.app.config import ConfigError, InitConfig, RunConfig
+from diloco.coordinator.round_policy import QuorumConfig
 from diloco.coordinator import Coordinator, CoordinatorConfig, CoordinatorError
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.wire.fingerprint import fingerprint
 from diloco.coordinator.init_file import InitFileError, load_init_file
-from diloco.coordinator.run import initial_params
-from diloco.codec import encode_chunks, get_codec
+from diloco.app.coordinator import initial_params
+from diloco.codec import get_codec
+from diloco.wire import encode_chunks
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
 from diloco.sim.launcher import check_before_start
@@ -92,13 +94,13 @@ def test_init_site_standalone_coordinator_with_two_user_loops(tmp_path: Path) ->
 
 
 def _coordinator(tmp_path: Path | None = None, **kw: object) -> Coordinator:
-    cfg = CoordinatorConfig(total_rounds=2, min_sites=1, lease_s=30.0, checkpoint_dir=str(tmp_path / "ckpt") if tmp_path else None, **kw)  # type: ignore[arg-type]
+    cfg = CoordinatorConfig(total_rounds=2, min_sites=1, quorum=QuorumConfig(lease_s=30.0), checkpoint_dir=str(tmp_path / "ckpt") if tmp_path else None, **kw)  # type: ignore[arg-type]
     return Coordinator(None, OuterConfig(), cfg)
 
 
 def _upload(coord: Coordinator, site: str, params: dict[str, torch.Tensor], codec: str = "fp32") -> None:
     header = PushHeader(site_id=site, round=0, tokens=1, train_loss=math.nan, inner_steps=0)
-    coord.upload_init(header, encode_chunks(params, codec=get_codec(codec), round=0))
+    coord.upload_init(header, encode_chunks(params, codec=get_codec(codec)))
 
 
 def _params(seed: int) -> dict[str, torch.Tensor]:
@@ -221,9 +223,9 @@ def test_bad_init_files_are_named(tmp_path: Path) -> None:
     server, port = serve(coord, "127.0.0.1", 0)
     try:
         with CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10) as client:
-            with pytest.raises(RemoteError, match=r"INVALID_ARGUMENT: .*θ₀ from init.path=.*other.safetensors.*'norm.weight'"):
+            with pytest.raises(RemoteError, match=r"invalid_argument: .*θ₀ from init.path=.*other.safetensors.*'norm.weight'"):
                 client.join("0", fingerprint(_params(0)).values())
-            assert client.join("1", fingerprint(other).values()).open_round == 0  # the coordinator serves on
+            assert client.join("1", fingerprint(other).values()).total_rounds == 2  # the coordinator serves on
     finally:
         server.stop(grace=None).wait(5)
     assert coord.global_sha256() == params_sha256(other)
@@ -318,14 +320,14 @@ def test_a_push_with_a_bad_evaluation_is_refused_and_changes_nothing() -> None:
                      (SiteEval(round=-1, loss=1.0, tokens=10), "eval_round=-1"),):
         header = PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
         with pytest.raises(CoordinatorError, match=why):
-            coord.push(header, encode_chunks(delta, codec=get_codec("fp32"), round=0))
+            coord.push(header, encode_chunks(delta, codec=get_codec("fp32")))
     assert coord.committed_rounds == 0 and coord.global_sha256() == params_sha256(params)
-    coord.push(PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32"), round=0))
+    coord.push(PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
     for bad, why in ((SiteEval(round=0, loss=float("nan"), tokens=10), "eval_loss=nan"), (SiteEval(round=0, loss=1.0, tokens=0), "eval_tokens=0")):
         header = PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
         with pytest.raises(CoordinatorError, match=why):
-            coord.push(header, encode_chunks(delta, codec=get_codec("fp32"), round=1))
+            coord.push(header, encode_chunks(delta, codec=get_codec("fp32")))
     assert coord.committed_rounds == 1 and coord.site_eval(0) is None
     good = SiteEval(round=0, loss=2.0, tokens=10)
-    coord.push(PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=good), encode_chunks(delta, codec=get_codec("fp32"), round=1))
+    coord.push(PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=good), encode_chunks(delta, codec=get_codec("fp32")))
     assert coord.site_eval(0) == {"loss": 2.0, "tokens": 10, "sites": ["a"]}

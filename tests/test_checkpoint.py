@@ -73,9 +73,10 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path: Path) -> N
 def test_a_restarted_coordinator_resumes_bit_identically(tmp_path: Path) -> None:
     """Kill-and-restart at the library level: a new Coordinator restored from the last
     checkpoint continues exactly as the old one would (θ, momentum, downlink residual)."""
-    from diloco.codec import encode_chunks, get_codec
+    from diloco.codec import get_codec
+    from diloco.wire import encode_chunks
     from diloco.coordinator import Coordinator, CoordinatorConfig
-    from diloco.coordinator.fingerprint import fingerprint
+    from diloco.wire.fingerprint import fingerprint
     from diloco.outer import OuterConfig
     from diloco.types import PushHeader
 
@@ -87,7 +88,7 @@ def test_a_restarted_coordinator_resumes_bit_identically(tmp_path: Path) -> None
             g = torch.Generator().manual_seed(10 * r + i)
             delta = {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in theta.items()}
             header = PushHeader(site_id=site, round=r, tokens=10 + i, train_loss=1.0, inner_steps=1)
-            assert coord.push(header, encode_chunks(delta, codec=get_codec("int8"), round=r)).accepted
+            assert coord.push(header, encode_chunks(delta, codec=get_codec("int8"))).accepted
 
     first = Coordinator(theta, OuterConfig(), cfg)
     for s in ("a", "b"):

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from diloco.codec import ChunkAssembler, CodecError, encode_chunks, get_codec
-from diloco.codec.chunks import MAX_CHUNK_BYTES
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.codec import CodecError, get_codec
+from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire.chunks import MAX_CHUNK_BYTES
+from diloco.wire.fingerprint import fingerprint
 from diloco.types import Chunk
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,10 +20,9 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def test_chunks_are_at_most_1mib_and_reassemble_exactly() -> None:
     t = _tensors()
-    chunks = list(encode_chunks(t, codec=FP32, round=3))
+    chunks = list(encode_chunks(t, codec=FP32))
     assert max(len(c.payload) for c in chunks) <= MAX_CHUNK_BYTES
     assert sum(c.name == "big" for c in chunks) == 3  # 2.8 MB of float32 in 1 MiB pieces
-    assert all(c.round == 3 for c in chunks)
     asm = ChunkAssembler(fingerprint(t))
     for c in chunks:
         asm.add(c)
@@ -34,14 +34,14 @@ def test_chunks_are_at_most_1mib_and_reassemble_exactly() -> None:
 
 def test_small_chunk_bytes_and_bad_limits() -> None:
     t = {"w": torch.arange(10, dtype=torch.float32)}
-    chunks = list(encode_chunks(t, codec=FP32, round=0, chunk_bytes=12))
+    chunks = list(encode_chunks(t, codec=FP32, chunk_bytes=12))
     assert [c.numel for c in chunks] == [3, 3, 3, 1]
     with pytest.raises(ValueError, match="chunk_bytes"):
-        list(encode_chunks(t, codec=FP32, round=0, chunk_bytes=MAX_CHUNK_BYTES + 1))
+        list(encode_chunks(t, codec=FP32, chunk_bytes=MAX_CHUNK_BYTES + 1))
 
 
 def _chunk(**kw: object) -> Chunk:
-    base = dict(name="w", shape=(4,), dtype="float32", offset=0, numel=4, codec="fp32", payload=FP32.encode(torch.ones(4)), round=0)
+    base = dict(name="w", shape=(4,), dtype="float32", offset=0, numel=4, codec="fp32", payload=FP32.encode(torch.ones(4)))
     base.update(kw)
     return Chunk(**base)  # type: ignore[arg-type]
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 import zstandard
 
-from diloco.codec import ChunkAssembler, CodecError, encode_chunks, get_codec, known_codecs, make_codec
-from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.codec import CodecError, get_codec, known_codecs, make_codec
+from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire.chunks import MAX_CHUNK_BYTES
 from diloco.codec.sparse_index import BITMAP, index_format
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -193,7 +194,7 @@ def test_chunked_tensors_reassemble(name: str) -> None:
     tensors = {"w": torch.randn(50, 300, generator=g), "b": torch.randn(7, generator=g)}
     codec = get_codec(name)
     limit = 256 if _base(name) == "topk2bit" else 4096  # top-k of 2% packs 4096 bytes with 170k values
-    chunks = list(encode_chunks(tensors, codec=codec, round=1, chunk_bytes=limit))
+    chunks = list(encode_chunks(tensors, codec=codec, chunk_bytes=limit))
     assert all(len(c.payload) <= limit and c.codec == name for c in chunks)
     assert sum(c.name == "w" for c in chunks) > 1
     asm = ChunkAssembler(fingerprint(tensors))
@@ -544,10 +545,14 @@ def test_random_corruption_raises_codec_error_or_decodes(name: str) -> None:
 
 
 def test_error_feedback_decay_scales_the_carried_residual() -> None:
-    from diloco.site.outer_sync import with_residual
+    from diloco.outer import ErrorFeedback
 
     delta = {"w": torch.tensor([1.0, -2.0])}
     residual = {"w": torch.tensor([0.5, 0.25])}
-    assert torch.equal(with_residual(delta, residual, 1.0)["w"], torch.tensor([1.5, -1.75]))
-    assert torch.equal(with_residual(delta, residual, 0.5)["w"], torch.tensor([1.25, -1.875]))
-    assert torch.equal(with_residual(delta, residual, 0.0)["w"], delta["w"])
+    for decay, want in ((1.0, [1.5, -1.75]), (0.5, [1.25, -1.875]), (0.0, [1.0, -2.0])):
+        feedback = ErrorFeedback(decay)
+        assert torch.equal(feedback.compensate(delta)["w"], delta["w"])  # nothing carried yet
+        feedback.carry(residual)
+        assert torch.equal(feedback.compensate(delta)["w"], torch.tensor(want))
+    with pytest.raises(ValueError, match="decay=1.5"):
+        ErrorFeedback(1.5)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
+from diloco.app.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,14 +32,6 @@ pytestmark = pytest.mark.timeout(30)
         ({"error_feedback_decay": 1.5}, "error_feedback_decay=1.5"),
         ({"quorum": {"min_sites": 9}}, "quorum.min_sites=9"),
         ({"guard": {"factor": 0.5}}, "guard.factor=0.5"),
-        ({"faults": {"events": [{"kind": "explode"}]}}, "faults.events[0].kind='explode'"),
-        ({"faults": {"events": [{"kind": "kill_site", "site": 1}]}}, "faults.events[0]: kill_site needs at_round"),
-        ({"faults": {"events": [{"kind": "kill_site", "site": 9, "at_round": 1}]}}, "faults.events[0].site=9"),
-        ({"faults": {"events": [{"kind": "kill_coordinator", "at_round": 99}]}}, "faults.events[0].at_round=99"),
-        ({"faults": {"events": [{"kind": "drop_push", "prob": 0.1}, {"kind": "drop_push", "prob": 1.5}]}}, "faults.events[1].prob=1.5"),
-        ({"faults": {"events": [{"kind": "kill_site", "site": 0, "at_round": 1, "phase": "lunch"}]}}, "phase='lunch'"),
-        ({"faults": {"events": [{"kind": "slow_site", "site": 0, "factor": 2, "seconds": 3}]}}, "slow_site takes no seconds"),
-        ({"faults": {"colour": 1}}, "faults.colour"),
         ({"error_feedback_decay": -0.1}, "error_feedback_decay=-0.1"),
         ({"aggregate": "median"}, "aggregate='median'"),
     ],
@@ -47,6 +39,28 @@ pytestmark = pytest.mark.timeout(30)
 def test_bad_values_name_the_field(override: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         run_config_from_dict({**run_config_to_dict(RunConfig()), **override})
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("faults", "field"),
+    [
+        ({"events": [{"kind": "explode"}]}, "faults.events[0].kind='explode'"),
+        ({"events": [{"kind": "kill_site", "site": 1}]}, "faults.events[0]: kill_site needs at_round"),
+        ({"events": [{"kind": "kill_site", "site": 9, "at_round": 1}]}, "faults.events[0].site=9"),
+        ({"events": [{"kind": "kill_coordinator", "at_round": 99}]}, "faults.events[0].at_round=99"),
+        ({"events": [{"kind": "drop_push", "prob": 0.1}, {"kind": "drop_push", "prob": 1.5}]}, "faults.events[1].prob=1.5"),
+        ({"events": [{"kind": "kill_site", "site": 0, "at_round": 1, "phase": "lunch"}]}, "phase='lunch'"),
+        ({"events": [{"kind": "slow_site", "site": 0, "factor": 2, "seconds": 3}]}, "slow_site takes no seconds"),
+        ({"colour": 1}, "faults.colour"),
+    ],
+)
+def test_bad_fault_events_name_the_event_and_key(faults: dict, field: str) -> None:
+    """The simulation owns its fault events (diloco.sim): checked against the run's sites and rounds."""
+    from diloco.sim.launcher import sim_faults
+
+    with pytest.raises(ConfigError) as info:
+        sim_faults(faults, RunConfig())
     assert field in str(info.value)
 
 
@@ -88,7 +102,7 @@ def test_the_sparse_recipes_set_codec_decay_aggregate_and_outer(config_name: str
 
     from diloco.cli.common import run_config
 
-    sections = {"sim": ("sim",), "coordinator": ("coordinator",), "site": ("site",)}[config_name]
+    sections = {"sim": ("sim", "faults"), "coordinator": ("coordinator",), "site": ("site",)}[config_name]
     with initialize_config_module("diloco.conf", version_base=None):
         cfg = run_config(compose(config_name, overrides=[f"recipe={recipe}"]), sections)
         # a key on the command line still wins over the recipe
@@ -99,3 +113,45 @@ def test_the_sparse_recipes_set_codec_decay_aggregate_and_outer(config_name: str
     assert cfg.downlink_codec.name == "int8"  # every process of a run composes the same math
     assert mine.outer.lr == 0.5 and mine.codec.density == 0.01 and mine.error_feedback_decay == decay
     assert (plain.codec.name, plain.error_feedback_decay, plain.outer.momentum, plain.aggregate) == ("fp32", 1.0, 0.9, "mean")
+
+
+@pytest.mark.parametrize(("config_name", "sections"), [("sim", ("sim", "faults")), ("coordinator", ("coordinator",)), ("site", ("site",))])
+def test_the_composed_hydra_defaults_are_the_dataclasses_defaults(config_name: str, sections: tuple[str, ...]) -> None:
+    """conf/*.yaml repeat RunConfig's defaults for the command line; nothing may drift."""
+    from hydra import compose, initialize_config_module
+
+    from diloco.cli.common import run_config
+
+    with initialize_config_module("diloco.conf", version_base=None):
+        composed = run_config(compose(config_name), sections)
+    assert composed == RunConfig()
+    assert run_config_to_dict(composed) == run_config_to_dict(RunConfig())
+
+
+@pytest.mark.parametrize(
+    ("codec", "aggregate", "decay"), [("fp32", "mean", 1.0), ("int8", "mean", 1.0), ("e3m0+zstd", "mean", 1.0), ("topk2bit", "nonzero", 0.8), ("topk2bit+zstd", "nonzero", 0.8)]
+)
+def test_a_codec_brings_its_best_settings_unless_they_are_set(codec: str, aggregate: str, decay: float) -> None:
+    cfg = run_config_from_dict({"codec": codec})
+    assert (cfg.aggregate, cfg.error_feedback_decay) == (aggregate, decay)
+    mine = run_config_from_dict({"codec": codec, "aggregate": "mean", "error_feedback_decay": 0.5})
+    assert (mine.aggregate, mine.error_feedback_decay) == ("mean", 0.5)
+    assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
+
+
+def test_the_library_refuses_unknown_enum_values_as_the_config_does() -> None:
+    from diloco.coordinator import CoordinatorConfig
+    from diloco.coordinator.round_policy import QuorumConfig
+
+    with pytest.raises(ValueError, match="quorum.late='merg'"):
+        CoordinatorConfig(total_rounds=1, quorum=QuorumConfig(late="merg"))
+    with pytest.raises(ValueError, match="deadline='soon'"):
+        CoordinatorConfig(total_rounds=1, quorum=QuorumConfig(deadline="soon"))
+    with pytest.raises(ValueError, match="aggregate='median'"):
+        CoordinatorConfig(total_rounds=1, aggregate="median")
+    with pytest.raises(ValueError, match="unknown codec 'fp33'"):
+        CoordinatorConfig(total_rounds=1, codec_down="fp33")
+    with pytest.raises(ValueError, match="quorum=.*must be a QuorumConfig"):
+        CoordinatorConfig(total_rounds=1, quorum={"late": "merge"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="quorum.late='merg'"):
+        run_config_from_dict({"quorum": {"late": "merg"}})

@@ -20,7 +20,8 @@ from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
 from diloco.site.inner import InnerConfig, InnerTrainer
-from diloco.site.outer_sync import OuterSync
+from diloco.site.exchange import Timeouts
+from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.transport import CoordinatorClient, serve
 from test_sim_e2e import run_sim
 
@@ -115,7 +116,7 @@ def test_outer_sync_round_trips_a_gpu_model() -> None:
         trainer = InnerTrainer(model, InnerConfig(lr=3e-3, warmup_steps=0, bf16=True), total_steps=rounds * steps)
         x, y = _counting_batch(8, MODEL.context, seed=3)
         with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=60) as client:
-            sync = OuterSync(model, client, "0", wait_poll_s=5.0, round_timeout_s=60.0)
+            sync = OuterSync(model, client, "0", SyncOptions(timeouts=Timeouts(wait_poll_s=5.0, round_timeout_s=60.0)))
             try:
                 sync.join()
                 _assert_model_holds(model, coord.global_params())
@@ -127,7 +128,7 @@ def test_outer_sync_round_trips_a_gpu_model() -> None:
                     local = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
                     assert params_sha256(local) != coord.global_sha256()  # the model moved away from θ
                     digest = sync.sync(tokens=steps * x.numel(), train_loss=loss, inner_steps=steps)
-                    assert digest == sync.global_sha256() == coord.global_sha256() == sync.round_hashes[r]
+                    assert digest == sync.global_sha256() == coord.global_sha256() == sync.stats.round_hashes[r]
                     theta = coord.global_params()
                     diff = max(float((theta[n] - local[n]).abs().max()) for n in local)
                     assert diff <= 1e-6, (r, diff)

@@ -322,7 +322,7 @@ def test_hydra_config_with_tokens_becomes_a_run_config(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_module
 
     from diloco.cli.common import run_config
-    from diloco.config import ConfigError
+    from diloco.app.config import ConfigError
 
     path = write_tokens(tmp_path / "tokens.bin", np.arange(200_000) % 512, "uint16")
     overrides = ["data.format=tokens", f"data.path='{path}'", "data.dtype=uint16", "data.vocab_size=512", "+model.vocab_size=512"]

@@ -8,9 +8,11 @@ import pytest
 from fakes import FakeClock
 import torch
 
-from diloco.codec import encode_chunks, get_codec
+from diloco.codec import get_codec
+from diloco.wire import encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.coordinator.round_policy import QuorumConfig
+from diloco.wire.fingerprint import fingerprint
 from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, RemoteError, serve
 from diloco.types import PushHeader
@@ -40,18 +42,18 @@ def _serve(cfg: CoordinatorConfig) -> Iterator[tuple[Coordinator, CoordinatorCli
 
 @pytest.fixture
 def lease10() -> Iterator[tuple[Coordinator, CoordinatorClient, FakeClock]]:
-    yield from _serve(CoordinatorConfig(total_rounds=5, min_sites=1, lease_s=10))
+    yield from _serve(CoordinatorConfig(total_rounds=5, min_sites=1, quorum=QuorumConfig(lease_s=10)))
 
 
 @pytest.fixture
 def deadline30() -> Iterator[tuple[Coordinator, CoordinatorClient, FakeClock]]:
-    yield from _serve(CoordinatorConfig(total_rounds=5, min_sites=2, lease_s=100, deadline="fixed", deadline_s=30))
+    yield from _serve(CoordinatorConfig(total_rounds=5, min_sites=2, quorum=QuorumConfig(lease_s=100, deadline="fixed", deadline_s=30)))
 
 
 def _push(client: CoordinatorClient, site: str, round: int, value: float = 0.1):
     delta = {"w": torch.full((2, 3), value)}
     header = PushHeader(site_id=site, round=round, tokens=10, train_loss=1.0, inner_steps=1)
-    return client.push(header, encode_chunks(delta, codec=get_codec("fp32"), round=round))
+    return client.push(header, encode_chunks(delta, codec=get_codec("fp32")))
 
 
 def _join(client: CoordinatorClient, *sites: str) -> None:
@@ -73,14 +75,14 @@ def test_a_silent_site_is_evicted_and_the_round_goes_on(lease10) -> None:
     before = coord.global_sha256()
     with pytest.raises(RemoteError) as info:
         _push(client, "b", 0)
-    assert info.value.code == "FAILED_PRECONDITION" and "'b' was evicted: no heartbeat for 10 s" in info.value.message
+    assert info.value.kind == "failed_precondition" and "'b' was evicted: no heartbeat for 10 s" in info.value.message
     with pytest.raises(RemoteError, match="evicted"):
         client.heartbeat("b")
     assert coord.global_sha256() == before
     # b joins again, pulls θ whole at the open round and takes part in it.
     _join(client, "b")
-    chunks = client.pull_global("b")
-    assert chunks[0].round == 1
+    status, _chunks = client.pull_global("b")
+    assert status.committed_rounds == 1
     assert _push(client, "a", 1).accepted and coord.committed_rounds == 1
     assert _push(client, "b", 1).accepted and coord.committed_rounds == 2
     assert coord.records[-1].participants == ["a", "b"]
@@ -99,13 +101,13 @@ def test_a_deadline_closes_the_round_at_the_quorum_and_refuses_the_late_push(dea
     before = coord.global_sha256()
     with pytest.raises(RemoteError) as info:
         _push(client, "c", 0)  # late: the round was committed without it
-    assert info.value.code == "ABORTED"
+    assert info.value.kind == "aborted"
     assert "round 0 was committed without site 'c'" in info.value.message and "pull the global parameters" in info.value.message
     assert coord.global_sha256() == before and coord.committed_rounds == 1
     # A repeated push of a participant is still a harmless duplicate.
     assert _push(client, "a", 0).duplicate
     # c is still a member: it pulls θ and takes part in round 1.
-    assert client.pull_global("c")[0].round == 1
+    assert client.pull_global("c")[0].committed_rounds == 1
     assert _push(client, "c", 1).accepted
 
 
@@ -142,7 +144,7 @@ def test_a_site_whose_push_came_too_late_or_was_evicted_catches_up(deadline30) -
         waiting = [threading.Thread(target=sites[s].sync, kwargs=dict(tokens=10, train_loss=1.0, inner_steps=1)) for s in ("a", "b")]
         for t in waiting:
             t.start()
-        while len(coord._pushed_at) < 2:  # noqa: SLF001 - wait until both pushes are in
+        while len(coord._round.pushed_at) < 2:  # noqa: SLF001 - wait until both pushes are in
             threading.Event().wait(0.05)
         clock.t += 31
         assert coord.tick() is not None
@@ -150,16 +152,16 @@ def test_a_site_whose_push_came_too_late_or_was_evicted_catches_up(deadline30) -
             t.join(10)
         late = sites["c"]
         digest = late.sync(tokens=10, train_loss=1.0, inner_steps=1)
-        assert late.dropped_rounds == [0] and late.round == 1 and late.rejoins == 0
+        assert late.stats.dropped_rounds == [0] and late.round == 1 and late.stats.rejoins == 0
         assert digest == coord.global_sha256() == sites["a"].global_sha256()
-        assert torch.equal(late.model.w.detach(), coord.global_params()["w"])
+        assert torch.equal(late.layout.model.w.detach(), coord.global_params()["w"])
         # Evicted: c falls silent past its lease (its heartbeats stop), then pushes round 1.
         late.close()
         clock.t += 101
         coord.tick()
         assert "c" not in coord.active_sites
         digest = late.sync(tokens=10, train_loss=1.0, inner_steps=1)
-        assert late.rejoins == 1 and late.dropped_rounds == [0, 1] and late.round == 1
+        assert late.stats.rejoins == 1 and late.stats.dropped_rounds == [0, 1] and late.round == 1
         assert digest == coord.global_sha256() and "c" in coord.active_sites
     finally:
         for s in sites.values():

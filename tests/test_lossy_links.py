@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.codec import ChunkAssembler, encode_chunks, get_codec, make_codec
-from diloco.codec.chunks import encoded_bytes
+from diloco.codec import get_codec, make_codec
+from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire.chunks import encoded_bytes
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.wire.fingerprint import fingerprint
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, apply_update, params_sha256
 from diloco.types import PushHeader
@@ -40,7 +41,7 @@ def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bo
     proposed_sum = {n: torch.zeros_like(t) for n, t in site.items()}
     for r in range(rounds):
         delta = {n: 1e-2 * torch.randn(t.shape, generator=g) for n, t in site.items()}
-        coord.push(PushHeader("s", r, 100, 1.0, 1), encode_chunks(delta, codec=get_codec("fp32"), round=r))
+        coord.push(PushHeader("s", r, 100, 1.0, 1), encode_chunks(delta, codec=get_codec("fp32")))
         for n in delta:
             proposed_sum[n] -= delta[n]
         asm = ChunkAssembler(fingerprint(site))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from diloco.config import run_config_from_dict, run_config_to_dict
+from diloco.app.config import run_config_from_dict, run_config_to_dict
 from diloco.model import (
     MODEL_SIZES,
     CustomModelConfig,

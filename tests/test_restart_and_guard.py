@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from diloco import checkpoint as ck
-from diloco.codec import ChunkAssembler, encode_chunks, get_codec
+from diloco.codec import get_codec
+from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.errors import CoordinatorError
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.coordinator.round_policy import QuorumConfig
+from diloco.errors import CoordinatorError
+from diloco.wire.fingerprint import fingerprint
 from diloco.coordinator.guard import GuardConfig, SpikeGuard
-from diloco.coordinator.metrics import MetricsReporter
+from diloco.app.metrics import MetricsReporter
 from diloco.outer import OuterConfig, apply_update, params_sha256
 from diloco.types import PushHeader
 
@@ -27,7 +29,8 @@ SITES = ("a", "b")
 
 
 def _coordinator(tmp_path: Path, outer: OuterConfig | None = None, **kwargs) -> Coordinator:
-    cfg = CoordinatorConfig(**{"total_rounds": 6, "min_sites": 2, "checkpoint_dir": str(tmp_path / "ck"), **kwargs})
+    quorum = {k: kwargs.pop(k) for k in ("late", "late_discount", "max_staleness", "lease_s") if k in kwargs}
+    cfg = CoordinatorConfig(**{"total_rounds": 6, "min_sites": 2, "checkpoint_dir": str(tmp_path / "ck"), "quorum": QuorumConfig(**quorum), **kwargs})
     coord = Coordinator(THETA, outer or OuterConfig(), cfg)
     for s in SITES:
         coord.join(s, fingerprint(THETA).values())
@@ -46,7 +49,7 @@ def _restarted(tmp_path: Path, **kwargs) -> Coordinator:
 def _push(coord: Coordinator, site: str, r: int, scale: float = 0.01):
     g = torch.Generator().manual_seed(100 * r + ord(site))
     delta = {n: torch.randn(t.shape, generator=g) * scale for n, t in THETA.items()}
-    return coord.push(PushHeader(site_id=site, round=r, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32"), round=r))
+    return coord.push(PushHeader(site_id=site, round=r, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
 
 
 def test_pushes_repeated_after_a_restart_are_taken_once(tmp_path: Path) -> None:
@@ -71,7 +74,7 @@ def test_pushes_repeated_after_a_restart_are_taken_once(tmp_path: Path) -> None:
     # The update of round 0 is gone with the old process: a site asking for it is told to pull θ.
     with pytest.raises(CoordinatorError, match="no longer kept") as info:
         restarted.pull_update("a", 0)
-    assert info.value.code == "not_found"
+    assert info.value.kind == "not_found"
 
 
 def test_a_late_push_is_refused_recorded_and_changes_nothing(tmp_path: Path) -> None:
@@ -82,7 +85,7 @@ def test_a_late_push_is_refused_recorded_and_changes_nothing(tmp_path: Path) -> 
     before = coord.global_sha256()
     with pytest.raises(CoordinatorError, match="committed without site 'b'") as info:
         _push(coord, "b", 0)
-    assert info.value.code == "aborted" and coord.global_sha256() == before
+    assert info.value.kind == "aborted" and coord.global_sha256() == before
     assert coord.late_pushes(1) == [{"site": "b", "round": 0}]  # recorded in the round open when it came
 
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from diloco.boxes import Box, tiling_problem
-from diloco.codec import ChunkAssembler, CodecError, SliceAssembler, encode_chunks, get_codec
+from diloco.codec import CodecError, get_codec
+from diloco.wire import ChunkAssembler, SliceAssembler, encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.errors import CoordinatorError
-from diloco.coordinator.fingerprint import fingerprint
+from diloco.errors import CoordinatorError
+from diloco.wire.fingerprint import fingerprint
 from diloco.outer import OuterConfig
 from diloco.types import PushHeader
 
@@ -44,7 +45,7 @@ def _header(site: str, r: int, part: int = 0, parts: int = 1, tokens: int = 10) 
 
 def _part(delta: dict[str, torch.Tensor], boxes: dict[str, Box], r: int, codec=FP32, chunk_bytes: int = 40):
     local = {n: delta[n][b.slices()].contiguous() for n, b in boxes.items()}
-    return list(encode_chunks(local, codec=codec, round=r, chunk_bytes=chunk_bytes, boxes={n: (b, SHAPES[n]) for n, b in boxes.items()}))
+    return list(encode_chunks(local, codec=codec, chunk_bytes=chunk_bytes, boxes={n: (b, SHAPES[n]) for n, b in boxes.items()}))
 
 
 def test_tiling_names_overlaps_and_gaps() -> None:
@@ -57,7 +58,7 @@ def test_tiling_names_overlaps_and_gaps() -> None:
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_a_rank_decodes_its_slices_from_whole_tensor_chunks(codec: str) -> None:
     delta = _delta(0)
-    chunks = list(encode_chunks(delta, codec=get_codec(codec), round=0, chunk_bytes=40))
+    chunks = list(encode_chunks(delta, codec=get_codec(codec), chunk_bytes=40))
     whole = ChunkAssembler(fingerprint(THETA))
     for c in chunks:
         whole.add(c)
@@ -75,8 +76,8 @@ def test_a_sharded_push_counts_once_all_parts_arrived_and_equals_a_whole_push() 
     da, db = _delta(1), _delta(2)
     whole, sharded = _coordinator(), _coordinator()
     for coord in (whole, sharded):
-        assert coord.push(_header("a", 0), encode_chunks(da, codec=FP32, round=0)).accepted
-    whole.push(_header("b", 0), encode_chunks(db, codec=FP32, round=0))
+        assert coord.push(_header("a", 0), encode_chunks(da, codec=FP32)).accepted
+    whole.push(_header("b", 0), encode_chunks(db, codec=FP32))
     first = sharded.push(_header("b", 0, part=1, parts=2), _part(db, RANK1, 0))
     assert first.accepted and sharded.committed_rounds == 0  # waits for the site's other part
     assert sharded.push(_header("b", 0, part=1, parts=2), _part(db, RANK1, 0)).duplicate
@@ -119,7 +120,7 @@ def test_a_slice_outside_its_tensor_is_refused() -> None:
 def test_pulls_of_slices_carry_only_the_chunks_of_their_rows() -> None:
     coord = _coordinator(chunk_bytes=32)  # 8 floats per chunk: w is 6 chunks, one per row
     for s in ("a", "b"):
-        coord.push(_header(s, 0), encode_chunks(_delta(5), codec=FP32, round=0))
+        coord.push(_header(s, 0), encode_chunks(_delta(5), codec=FP32))
     rows = {"w": Box((2, 0), (2, 8))}  # rows 2 and 3 of w
     chunks = coord.pull_update("a", 0, want=rows)
     assert [(c.name, c.offset) for c in chunks] == [("w", 16), ("w", 24)]
@@ -139,7 +140,7 @@ def test_pulls_of_slices_carry_only_the_chunks_of_their_rows() -> None:
 def test_float_payloads_are_cut_to_a_ranks_rows(codec: str, cut: bool) -> None:
     coord = _coordinator(codec_down=codec)  # each tensor is one chunk
     for s in ("a", "b"):
-        coord.push(_header(s, 0), encode_chunks(_delta(6), codec=FP32, round=0))
+        coord.push(_header(s, 0), encode_chunks(_delta(6), codec=FP32))
     rows = {"w": Box((2, 0), (2, 8)), "e": Box((1, 0, 0), (3, 3, 2))}
     chunks = coord.pull_update("a", 0, want=rows)
     assert [(c.name, c.offset, c.numel) for c in chunks] == ([("e", 6, 18), ("w", 16, 16)] if cut else [("e", 0, 24), ("w", 0, 48)])
@@ -160,7 +161,7 @@ def test_the_round_record_says_what_each_part_held() -> None:
     records = []
     coord.on_commit.append(records.append)
     d = _delta(7)
-    coord.push(_header("a", 0), encode_chunks(d, codec=FP32, round=0))
+    coord.push(_header("a", 0), encode_chunks(d, codec=FP32))
     coord.push(_header("b", 0, part=0, parts=2), _part(d, RANK0, 0))
     coord.push(_header("b", 0, part=1, parts=2), _part(d, RANK1, 0))
     assert records[0].sliced == {
@@ -173,13 +174,13 @@ def test_a_site_that_joins_again_pushes_all_its_parts_again() -> None:
     # previous incarnation pushed must not be combined with the new incarnation's parts.
     coord = _coordinator()
     old, new = _delta(8), _delta(9)
-    coord.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32, round=0))
+    coord.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32))
     assert coord.push(_header("b", 0, part=0, parts=2), _part(old, RANK0, 0)).accepted
     coord.join("b", fingerprint(THETA).values())  # the site's ranks come back
     coord.push(_header("b", 0, part=1, parts=2), _part(new, RANK1, 0))
     assert coord.committed_rounds == 0  # part 0 of the old incarnation was forgotten
     coord.push(_header("b", 0, part=0, parts=2), _part(new, RANK0, 0))
     reference = _coordinator()
-    reference.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32, round=0))
-    reference.push(_header("b", 0), encode_chunks(new, codec=FP32, round=0))
+    reference.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32))
+    reference.push(_header("b", 0), encode_chunks(new, codec=FP32))
     assert coord.committed_rounds == 1 and coord.global_sha256() == reference.global_sha256()

@@ -52,7 +52,7 @@ def main() -> None:
             if dl.finished:
                 break
     result = {
-        "round_sha256": {str(r): h for r, h in sorted(dl.sync.round_hashes.items())},
+        "round_sha256": {str(r): h for r, h in sorted(dl.sync.stats.round_hashes.items())},
         "global_sha256": dl.sync.global_sha256(),
         "start_sha256": start_hash,  # the model right after joining: θ₀
         "uploaded_init": dl.sync.uploaded_init,

@@ -9,9 +9,9 @@ from typing import Any, NoReturn
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.config import ConfigError, RunConfig, run_config_from_dict
+from diloco.app.config import ConfigError, RunConfig, run_config_from_dict
 
-RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "faults", "init", "eval_by", "device", "compile", "tf32")
+RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "init", "eval_by", "device", "compile", "tf32")
 
 
 def run_config(cfg: DictConfig, sections: tuple[str, ...]) -> RunConfig:

@@ -7,9 +7,9 @@ from omegaconf import DictConfig
 
 from diloco.checkpoint import CheckpointError
 from diloco.cli.common import fail, run_config, run_dir, section
-from diloco.config import ConfigError
+from diloco.app.config import ConfigError
 from diloco.coordinator.init_file import InitFileError
-from diloco.coordinator.run import CoordinatorOptions, run_coordinator
+from diloco.app.coordinator import CoordinatorOptions, run_coordinator
 from diloco.data import DataError
 from diloco.io import exit_process
 

@@ -8,22 +8,23 @@ import hydra
 from omegaconf import DictConfig
 
 from diloco.cli.common import fail, run_config, run_dir, section
-from diloco.config import ConfigError
+from diloco.app.config import ConfigError
 from diloco.data import DataError
-from diloco.sim.launcher import SimError, run_simulation
+from diloco.sim.launcher import SimError, run_simulation, sim_faults
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="sim", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg, ("sim",))
+        rc = run_config(cfg, ("sim", "faults"))
+        faults = sim_faults(section(cfg, "faults"), rc)
     except ConfigError as e:
         fail(f"bad config: {e}")
     out = run_dir()
     print(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync_every} rounds={rc.rounds} -> {out}", flush=True)
     try:
         sim = section(cfg, "sim")
-        summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]))
+        summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]), faults=faults)
     except DataError as e:
         fail(f"bad data: {e}")
     except ConfigError as e:

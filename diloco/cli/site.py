@@ -6,10 +6,10 @@ import hydra
 from omegaconf import DictConfig
 
 from diloco.cli.common import fail, run_config, run_dir, section
-from diloco.config import ConfigError
+from diloco.app.config import ConfigError
 from diloco.data import DataError
 from diloco.io import exit_process
-from diloco.site.run import SiteOptions, run_site
+from diloco.app.site import SiteOptions, run_site
 from diloco.transport import RemoteError
 
 

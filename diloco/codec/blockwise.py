@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from diloco.codec.base import CodecError
-from diloco.codec.wire import (
+from diloco.codec.header import (
     HEADER_BYTES,
     as_float32,
     ceil_div,

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from diloco.codec.base import CodecError
-from diloco.codec.wire import (
+from diloco.codec.header import (
     HEADER_BYTES,
     as_float32,
     check_finite_input,

@@ -47,6 +47,20 @@ def make_codec(name: str, *, block: int | None = None, density: float | None = N
     return ZstdCodec(inner) if zstd_level is None else ZstdCodec(inner, zstd_level)
 
 
+# The run settings each codec trains best with (measured: docs/results.md, "Codecs"), used
+# wherever a run leaves them unset: ``aggregate`` (the coordinator's mean of Δ) and
+# ``error_feedback_decay`` (β of the sites' error feedback). A sparse codec's Δ is "not yet"
+# where a site did not send a coordinate, not zero (so nonzero-aware averaging), and its
+# residual arrives stale (so a shorter memory). Dense codecs: the plain mean, β = 1.
+_BEST_SETTINGS: dict[str, dict[str, object]] = {"topk2bit": {"aggregate": "nonzero", "error_feedback_decay": 0.8}}
+_DENSE_SETTINGS: dict[str, object] = {"aggregate": "mean", "error_feedback_decay": 1.0}
+
+
+def best_settings(name: str) -> dict[str, object]:
+    """{"aggregate", "error_feedback_decay"} a run with codec ``name`` (NAME or NAME+zstd) uses by default."""
+    return dict(_BEST_SETTINGS.get(name.removesuffix(ZSTD_SUFFIX), _DENSE_SETTINGS))
+
+
 def is_lossless(name: str) -> bool:
     """True for codecs whose decode(encode(x)) is exactly x (no error feedback needed)."""
     return name.removesuffix(ZSTD_SUFFIX) == "fp32"

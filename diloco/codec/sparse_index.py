@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from diloco.codec.base import CodecError
-from diloco.codec.wire import ceil_div
+from diloco.codec.header import ceil_div
 
 BITMAP = 0xFFFF
 MAX_LOW_BITS = 31

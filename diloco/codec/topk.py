@@ -11,7 +11,7 @@ import torch
 
 from diloco.codec.base import CodecError
 from diloco.codec.sparse_index import decode_positions, encode_positions, index_bytes, index_format
-from diloco.codec.wire import (
+from diloco.codec.header import (
     HEADER_BYTES,
     as_float32,
     ceil_div,

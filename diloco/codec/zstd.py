@@ -9,7 +9,7 @@ import torch
 import zstandard
 
 from diloco.codec.base import Codec, CodecError
-from diloco.codec.wire import MAGIC, VERSION, largest_fitting
+from diloco.codec.header import MAGIC, VERSION, largest_fitting
 
 _HEADER = struct.Struct("<BBBB")  # magic, version, byte-plane width (1 = no shuffle), 0
 _MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(): the fastest of zstd's negative levels

@@ -1,10 +1,12 @@
 """The coordinator: the single source of truth for θ, the outer optimizer and the rounds.
 
-Pure Python + torch: the gRPC servicer in diloco/transport/ is a thin translation layer
-over ``Coordinator``.
+Pure Python + torch, and no transport: the gRPC server (diloco/transport/) serves anything
+that has ``Coordinator``'s methods (transport/protocol.py).
 """
 
-from diloco.coordinator.errors import CoordinatorError
-from diloco.coordinator.service import Coordinator, CoordinatorConfig, RoundRecord
+from diloco.coordinator.commit import RoundRecord
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.service import Coordinator
+from diloco.errors import CoordinatorError
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorError", "RoundRecord"]

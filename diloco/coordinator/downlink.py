@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from diloco.boxes import Box
-from diloco.codec import chunks_overlapping
-from diloco.coordinator.errors import CoordinatorError
+from diloco.wire import chunks_overlapping
+from diloco.errors import CoordinatorError
 from diloco.types import Chunk, TensorSpec
 
 

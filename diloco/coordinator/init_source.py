@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from diloco.codec import ChunkAssembler, CodecError, is_lossless
+from diloco.codec import CodecError, is_lossless
+from diloco.wire import ChunkAssembler
 from diloco.types import Chunk, TensorSpec
 
 KEEP_ALIVE_EVERY = 64  # chunks (of <= 1 MiB) between lease renewals while θ₀ is uploaded

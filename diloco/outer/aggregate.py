@@ -9,6 +9,12 @@ import torch
 AGGREGATES = ("mean", "nonzero")
 
 
+def check_aggregate(name: object) -> None:
+    """The one check of an ``aggregate`` setting."""
+    if name not in AGGREGATES:
+        raise ValueError(f"aggregate={name!r}: must be one of {', '.join(AGGREGATES)}")
+
+
 class WeightedMean:
     """Accumulates Σ w_s·Δ_s and Σ w_s; memory is one float64 copy of the parameters,
     however many sites contribute. Weights are the tokens each site processed.
@@ -30,8 +36,7 @@ class WeightedMean:
     """
 
     def __init__(self, shapes: Mapping[str, torch.Size], aggregate: str = "mean") -> None:
-        if aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate={aggregate!r}: must be one of {', '.join(AGGREGATES)}")
+        check_aggregate(aggregate)
         self._sum = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()}
         self._weight = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()} if aggregate == "nonzero" else None
         self.total_weight = 0.0

@@ -24,7 +24,7 @@ class SiteSettings:
         tokens_per_step: int | None = None,
         *,
         error_feedback: bool = True,
-        error_feedback_decay: float = 1.0,
+        error_feedback_decay: float | None = None,
         round_timeout_s: float = 3600.0,
         connect_timeout_s: float = 120.0,
     ) -> None:

@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from diloco.config import run_config_from_dict
-from diloco.faults import FaultPlan, SiteFaults
+from diloco.app.config import run_config_from_dict
+from diloco.sim.faults import FAULTS_FILE, FaultPlan, SiteFaults, coordinator_hooks, faults_from_file
 from diloco.io import exit_process
 
 
@@ -43,18 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = run_config_from_dict(json.loads(args.config.read_text()))
     process = "coordinator" if args.role == "coordinator" else f"site {args.site_id}"
     skip = [int(i) for i in args.skip_faults.split(",") if i]
-    plan = FaultPlan(cfg.faults.events, args.run_dir, process, skip) if cfg.faults.events else None
+    faults_file = args.run_dir / FAULTS_FILE
+    events = faults_from_file(faults_file).events if faults_file.exists() else ()
+    plan = FaultPlan(events, args.run_dir, process, skip) if events else None
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     if args.role == "coordinator":
-        from diloco.coordinator.run import CoordinatorOptions, run_coordinator
+        from diloco.app.coordinator import CoordinatorOptions, run_coordinator
 
-        opts = CoordinatorOptions(host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir, faults=plan)
-        run_coordinator(cfg, opts, args.run_dir, log=log)
+        opts = CoordinatorOptions(host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir)
+        run_coordinator(cfg, opts, args.run_dir, log=log, attach=coordinator_hooks(plan) if plan else None)
     elif args.role == "site":
-        from diloco.site.run import SiteOptions, run_site
+        from diloco.app.site import SiteOptions, run_site
 
         # A site of several ranks: faults are injected into its leader (rank 0); a killed rank
         # takes its torchrun group down with it, and the simulator starts the group again.
@@ -63,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         # device=cuda: the simulated sites take the visible GPUs in turn (several may share one).
         gpu = int(args.site_id) if args.site_id.isdigit() else None
         opts = SiteOptions(
-            site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, faults=faults, incarnation=args.incarnation,
+            site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, incarnation=args.incarnation,
             checkpoint_dir=args.checkpoint_dir, gpu=gpu,
         )  # fmt: skip
-        run_site(cfg, opts, args.run_dir, log=log)
+        run_site(cfg, opts, args.run_dir, log=log, hooks=faults)
     else:
-        from diloco.baseline.data_parallel import run_data_parallel
+        from diloco.app.baseline import run_data_parallel
 
         run_data_parallel(cfg, rank=args.rank, world_size=args.world_size, init_file=args.init_file, run_dir=args.run_dir, log=log)
     exit_process()  # every process of the simulation ends as soon as its results are written

@@ -11,18 +11,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from diloco.config import ConfigError, RunConfig, run_config_to_dict
-from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.app.config import ConfigError, RunConfig, run_config_to_dict
+from diloco.wire.fingerprint import fingerprint, mismatches
 from diloco.coordinator.init_file import load_init_file
 from diloco.data import load_corpus
 from diloco.model import build_model, is_builtin
 from diloco.site.device import resolve_device
-from diloco.faults import FIRED_FILE, read_fired
+from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_dict, read_fired
+from diloco.app import records
+from diloco.app.records import GlobalRecord, ProgressRecord, Summary, WorkerRecord
 from diloco.io import read_jsonl, write_json_atomic
 
 
@@ -47,10 +49,33 @@ class _Proc:
     gone: bool = False  # killed for good (restart_after_s < 0)
 
 
+def sim_faults(d: Mapping[str, Any] | None, cfg: RunConfig) -> FaultsConfig:
+    """The ``faults`` section (plain data) of a simulation of ``cfg``; ConfigError naming the
+    event and key that cannot work."""
+    d = dict(d or {})
+    unknown = sorted(set(d) - {"events"})
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join('faults.' + k for k in unknown)}; known: events")
+    try:
+        faults = FaultsConfig(events=tuple(d.get("events") or ()))
+        faults.check_against(cfg.sites, cfg.rounds)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    return faults
+
+
 def run_simulation(
-    cfg: RunConfig, run_dir: Path, *, timeout_s: float = 3600.0, progress: Callable[[str], None] | None = print, resume: bool = False
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    timeout_s: float = 3600.0,
+    progress: Callable[[str], None] | None = print,
+    resume: bool = False,
+    faults: FaultsConfig | Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
+
+    ``faults``: what to inject into the processes (a FaultsConfig, or its plain data).
 
     ``resume``: go on with the (stopped or crashed) run in ``run_dir``: its config must be
     ``cfg``; the coordinator resumes from its checkpoint, every site from its own, and the
@@ -64,6 +89,7 @@ def run_simulation(
     # Fail on bad data here, before any process starts (DataError names the path).
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
     check_before_start(cfg)
+    faults = faults if isinstance(faults, FaultsConfig) else sim_faults(faults, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     for stale in ("global.json", "summary.json", "coordinator.port.json"):
@@ -76,6 +102,7 @@ def run_simulation(
         for stale_dir in ("checkpoints", "progress", "workers", "logs"):
             shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     write_json_atomic(config_path, run_config_to_dict(cfg))
+    write_json_atomic(run_dir / FAULTS_FILE, faults_to_dict(faults))
     procs: list[_Proc] = []
     start = time.monotonic()
     # SIGTERM must unwind through the finally below, which stops every child.
@@ -278,43 +305,41 @@ def _stop_all(procs: list[_Proc]) -> None:
 
 
 def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
-    global_info = json.loads((run_dir / "global.json").read_text())
-    workers = {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))}
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    site_hashes = {sid: w["global_sha256"] for sid, w in sorted(workers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
+    g = records.read(run_dir / "global.json", GlobalRecord)
+    workers = {p.stem: records.read(p, WorkerRecord) for p in sorted((run_dir / "workers").glob("*.json"))}
+    metrics = records.read_metrics(run_dir / "metrics.jsonl")
+    site_hashes = {sid: w.global_sha256 for sid, w in sorted(workers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
     # Goodput: tokens in committed (not rejected) rounds over every token any site trained,
     # counting the work of killed processes and dropped rounds (progress/<site>.<incarnation>).
-    trained = sum(json.loads(p.read_text())["tokens"] for p in (run_dir / "progress").glob("*.json"))
-    committed = sum(m["tokens"] + sum(p["tokens"] for p in m.get("merged", [])) for m in metrics if not m.get("rejected"))
-    return {
-        "mode": cfg.mode,
-        "sites": cfg.workers,
-        "sync_every": cfg.sync_every,
-        "rounds": cfg.rounds,
-        "rounds_committed": global_info["rounds_committed"],
-        "rounds_rejected": sum(1 for m in metrics if m.get("rejected")),
-        "faults_injected": read_fired(run_dir),
-        "goodput": round(committed / trained, 4) if trained else None,
-        "model": cfg.model.name,
-        "codec": cfg.codec.describe(),
-        "codec_down": cfg.downlink_codec.describe(),
-        "seed": cfg.seed,
-        "params": global_info["params"],
-        "tokens": sum(m["tokens"] for m in metrics),
-        "final_eval_bpb": global_info["final_eval_bpb"],
-        "final_eval_loss": global_info.get("final_eval_loss"),
-        "eval_by": global_info.get("eval_by"),
-        "final_train_loss": metrics[-1]["train_loss"] if metrics else None,
-        "bytes_up": sum(m["bytes_up"] for m in metrics),
-        "bytes_down": sum(m["bytes_down"] or 0 for m in metrics),
-        "wall_s": round(wall_s, 3),
-        "global_sha256": global_info["global_sha256"],
-        "site_global_sha256": site_hashes,
-        "hashes_equal": all(h == global_info["global_sha256"] for h in site_hashes.values()),
+    trained = sum(records.read(p, ProgressRecord).tokens for p in (run_dir / "progress").glob("*.json"))
+    committed = sum(m.tokens + sum(p["tokens"] for p in m.merged) for m in metrics if not m.rejected)
+    summary = Summary(
+        mode=cfg.mode,
+        sites=cfg.workers,
+        sync_every=cfg.sync_every,
+        rounds=cfg.rounds,
+        rounds_committed=g.rounds_committed,
+        rounds_rejected=sum(1 for m in metrics if m.rejected),
+        faults_injected=read_fired(run_dir),
+        goodput=round(committed / trained, 4) if trained else None,
+        model=cfg.model.name,
+        codec=cfg.codec.describe(),
+        codec_down=cfg.downlink_codec.describe(),
+        seed=cfg.seed,
+        params=g.params,
+        tokens=sum(m.tokens for m in metrics),
+        final_eval_bpb=g.final_eval_bpb,
+        final_eval_loss=g.final_eval_loss,
+        eval_by=g.eval_by,
+        final_train_loss=metrics[-1].train_loss if metrics else None,
+        bytes_up=sum(m.bytes_up for m in metrics),
+        bytes_down=sum(m.bytes_down or 0 for m in metrics),
+        wall_s=round(wall_s, 3),
+        global_sha256=g.global_sha256,
+        site_global_sha256=site_hashes,
+        hashes_equal=all(h == g.global_sha256 for h in site_hashes.values()),
         # Per process, in MiB; in the baselines rank 0 plays the coordinator's part in global.json.
-        "peak_rss_mb": {
-            **({"coordinator": global_info.get("peak_rss_mb")} if cfg.mode == "diloco" else {}),
-            **{sid: w.get("peak_rss_mb") for sid, w in workers.items()},
-        },
-        "run_dir": str(run_dir),
-    }
+        peak_rss_mb={**({"coordinator": g.peak_rss_mb} if cfg.mode == "diloco" else {}), **{sid: w.peak_rss_mb for sid, w in workers.items()}},
+        run_dir=str(run_dir),
+    )
+    return records.to_dict(summary)

@@ -33,9 +33,9 @@ class Heartbeat:
                 self.beats += 1
                 self._last_error = None
             except RemoteError as e:
-                if e.code != self._last_error:
+                if e.kind != self._last_error:
                     self._log(f"site {self._site_id}: heartbeat failed: {e}")
-                self._last_error = e.code
+                self._last_error = e.kind
             except ValueError:  # the channel was closed under us: the site is shutting down
                 return
 

@@ -1,9 +1,14 @@
 """gRPC transport: the only package that imports grpc.
 
-``serve`` puts a Coordinator behind a gRPC server; ``CoordinatorClient`` is what a site uses.
+``serve`` puts any ``CoordinatorService`` (transport/protocol.py) behind a gRPC server;
+``CoordinatorClient`` is what a site uses. Refusals travel as the project's kinds
+(diloco.errors); ``retrying`` and ``Backoff`` retry what can be retried.
 """
 
-from diloco.transport.client import CoordinatorClient, RemoteError
+from diloco.errors import RemoteError
+from diloco.transport.client import CoordinatorClient
+from diloco.transport.protocol import CoordinatorService
+from diloco.transport.retry import Backoff, retrying
 from diloco.transport.server import serve
 
-__all__ = ["CoordinatorClient", "RemoteError", "serve"]
+__all__ = ["Backoff", "CoordinatorClient", "CoordinatorService", "RemoteError", "retrying", "serve"]

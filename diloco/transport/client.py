@@ -7,26 +7,34 @@ from collections.abc import Iterable, Iterator, Mapping
 import grpc
 
 from diloco.boxes import Box
+from diloco.errors import Kind, RemoteError
 from diloco.transport import serde
+from diloco.transport.limits import MAX_MESSAGE_BYTES
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
-from diloco.transport.server import MAX_MESSAGE_BYTES
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
-
-class RemoteError(Exception):
-    """The coordinator refused a call or could not be reached. ``code`` is the gRPC status name
-    (e.g. "INVALID_ARGUMENT", "UNAVAILABLE"); ``message`` is the coordinator's explanation."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+# gRPC's status codes as the project's refusal kinds (diloco.errors). A call that could not
+# reach the coordinator, or timed out, or was cancelled under it, is "unavailable": retried.
+_KINDS: dict[grpc.StatusCode, Kind] = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "unauthenticated",
+    grpc.StatusCode.OUT_OF_RANGE: "out_of_range",
+    grpc.StatusCode.ABORTED: "aborted",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "unavailable",
+    grpc.StatusCode.CANCELLED: "unavailable",
+}
 
 
 def _remote(e: grpc.RpcError) -> RemoteError:
     code = e.code() if hasattr(e, "code") else None
-    return RemoteError(code.name if code is not None else "UNKNOWN", e.details() if hasattr(e, "details") else str(e))
+    details = e.details() if hasattr(e, "details") else str(e)
+    kind = _KINDS.get(code, "internal") if code is not None else "internal"
+    return RemoteError(kind, details if kind != "internal" else f"{code.name if code else 'UNKNOWN'}: {details}")
 
 
 class CoordinatorClient:
@@ -105,8 +113,17 @@ class CoordinatorClient:
         """Round ``round``'s encoded update; with ``want``, only the chunks overlapping those slices."""
         return self._pull(self._stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want)))
 
-    def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> list[Chunk]:
-        return self._pull(self._stub.PullGlobal, pb.PullRequest(site_id=site_id, want=serde.boxes_to_proto(want)))
+    def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
+        """θ after the last committed round: the round status (its ``committed_rounds`` is
+        the open round), then θ's chunks (with ``want``, only those overlapping the slices)."""
+        req = pb.PullRequest(site_id=site_id, want=serde.boxes_to_proto(want))
+        try:
+            messages = list(self._stub.PullGlobal(req, timeout=self.timeout_s, wait_for_ready=True))
+        except grpc.RpcError as e:
+            raise _remote(e) from None
+        if not messages or messages[0].WhichOneof("kind") != "status" or any(m.WhichOneof("kind") != "chunk" for m in messages[1:]):
+            raise RemoteError("internal", "PullGlobal must answer with the round status, then chunks")
+        return serde.status_from_proto(messages[0].status), [serde.chunk_from_proto(m.chunk) for m in messages[1:]]
 
     def _pull(self, rpc: grpc.UnaryStreamMultiCallable, req: pb.PullRequest) -> list[Chunk]:
         try:

@@ -19,14 +19,14 @@ def spec_from_proto(m: pb.TensorSpec) -> TensorSpec:
 
 def chunk_to_proto(c: Chunk) -> pb.TensorChunk:
     return pb.TensorChunk(
-        name=c.name, shape=list(c.shape), dtype=c.dtype, offset=c.offset, numel=c.numel, codec=c.codec, payload=c.payload, round=c.round,
+        name=c.name, shape=list(c.shape), dtype=c.dtype, offset=c.offset, numel=c.numel, codec=c.codec, payload=c.payload,
         box_start=list(c.box_start), box_shape=list(c.box_shape),
     )  # fmt: skip
 
 
 def chunk_from_proto(m: pb.TensorChunk) -> Chunk:
     return Chunk(
-        name=m.name, shape=tuple(m.shape), dtype=m.dtype, offset=m.offset, numel=m.numel, codec=m.codec, payload=m.payload, round=m.round,
+        name=m.name, shape=tuple(m.shape), dtype=m.dtype, offset=m.offset, numel=m.numel, codec=m.codec, payload=m.payload,
         box_start=tuple(m.box_start), box_shape=tuple(m.box_shape),
     )  # fmt: skip
 
@@ -80,16 +80,16 @@ def push_result_from_proto(m: pb.PushReply) -> PushResult:
 
 
 def join_info_to_proto(j: JoinInfo) -> pb.JoinReply:
-    return pb.JoinReply(open_round=j.open_round, total_rounds=j.total_rounds, run_id=j.run_id, lease_s=j.lease_s, upload_init=j.upload_init, eval_every=j.eval_every)
+    return pb.JoinReply(total_rounds=j.total_rounds, run_id=j.run_id, lease_s=j.lease_s, upload_init=j.upload_init, eval_every=j.eval_every)
 
 
 def join_info_from_proto(m: pb.JoinReply) -> JoinInfo:
-    return JoinInfo(open_round=m.open_round, total_rounds=m.total_rounds, run_id=m.run_id, lease_s=m.lease_s, upload_init=m.upload_init, eval_every=m.eval_every)
+    return JoinInfo(total_rounds=m.total_rounds, run_id=m.run_id, lease_s=m.lease_s, upload_init=m.upload_init, eval_every=m.eval_every)
 
 
 def status_to_proto(s: RoundStatus) -> pb.RoundStatus:
-    return pb.RoundStatus(committed_rounds=s.committed_rounds, open_round=s.open_round, total_rounds=s.total_rounds, global_sha256=s.global_sha256)
+    return pb.RoundStatus(committed_rounds=s.committed_rounds, total_rounds=s.total_rounds, global_sha256=s.global_sha256)
 
 
 def status_from_proto(m: pb.RoundStatus) -> RoundStatus:
-    return RoundStatus(committed_rounds=m.committed_rounds, open_round=m.open_round, total_rounds=m.total_rounds, global_sha256=m.global_sha256)
+    return RoundStatus(committed_rounds=m.committed_rounds, total_rounds=m.total_rounds, global_sha256=m.global_sha256)

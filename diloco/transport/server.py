@@ -1,4 +1,4 @@
-"""A thin gRPC servicer over Coordinator: translate, call, map errors to status codes."""
+"""A thin gRPC servicer over a CoordinatorService: translate, call, map refusals to status codes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from concurrent import futures
 
 import grpc
 
-from diloco.coordinator import Coordinator, CoordinatorError
+from diloco.errors import CoordinatorError
 from diloco.transport import serde
+from diloco.transport.limits import MAX_MESSAGE_BYTES
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
+from diloco.transport.protocol import CoordinatorService
 
 _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -21,16 +23,14 @@ _STATUS = {
     "aborted": grpc.StatusCode.ABORTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
-# Messages carry chunks of at most 1 MiB plus a small header; 4 MiB is gRPC's default too.
-MAX_MESSAGE_BYTES = 4 << 20
 
 
 def _abort(context: grpc.ServicerContext, e: CoordinatorError) -> None:
-    context.abort(_STATUS.get(e.code, grpc.StatusCode.UNKNOWN), e.message)
+    context.abort(_STATUS.get(e.kind, grpc.StatusCode.UNKNOWN), e.message)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: CoordinatorService) -> None:
         self._c = coordinator
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -81,13 +81,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         for c in chunks:
             yield serde.chunk_to_proto(c)
 
-    def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+    def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalMessage]:
         try:
-            chunks = self._c.pull_global(request.site_id, serde.boxes_from_proto(request.want))
+            status, chunks = self._c.pull_global(request.site_id, serde.boxes_from_proto(request.want))
         except CoordinatorError as e:
             _abort(context, e)
+        yield pb.GlobalMessage(status=serde.status_to_proto(status))
         for c in chunks:
-            yield serde.chunk_to_proto(c)
+            yield pb.GlobalMessage(chunk=serde.chunk_to_proto(c))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.RoundStatus:
         try:
@@ -104,7 +105,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.LeaveReply()
 
 
-def serve(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32) -> tuple[grpc.Server, int]:
+def serve(coordinator: CoordinatorService, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32) -> tuple[grpc.Server, int]:
     """Starts a gRPC server for ``coordinator``; returns it and the bound port (port 0: any free)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator-rpc"),

@@ -62,7 +62,7 @@ class CoordinatorStub:
         self.PullGlobal = channel.unary_stream(
                 '/diloco.v1.Coordinator/PullGlobal',
                 request_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PullRequest.SerializeToString,
-                response_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.TensorChunk.FromString,
+                response_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.GlobalMessage.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/diloco.v1.Coordinator/Leave',
@@ -80,8 +80,9 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """A site announces itself and its model fingerprint; the reply says which round is open,
-        or (init=site, before theta_0 exists) that this site must upload its parameters first.
+        """A site announces itself and its model fingerprint; the reply gives the run's settings, or
+        (init=site, before theta_0 exists) says that this site must upload its parameters first.
+        Which round is open the site learns from PullGlobal, which it calls next.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,7 +118,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullGlobal(self, request, context):
-        """The whole global parameters theta at the latest committed round, as chunks.
+        """The whole global parameters theta after the last committed round: the round status first
+        (its committed_rounds is the round the site trains next), then the chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,7 +170,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'PullGlobal': grpc.unary_stream_rpc_method_handler(
                     servicer.PullGlobal,
                     request_deserializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.PullRequest.FromString,
-                    response_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.TensorChunk.SerializeToString,
+                    response_serializer=diloco_dot_transport_dot_pb_dot_coordinator__pb2.GlobalMessage.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -342,7 +344,7 @@ class Coordinator:
             target,
             '/diloco.v1.Coordinator/PullGlobal',
             diloco_dot_transport_dot_pb_dot_coordinator__pb2.PullRequest.SerializeToString,
-            diloco_dot_transport_dot_pb_dot_coordinator__pb2.TensorChunk.FromString,
+            diloco_dot_transport_dot_pb_dot_coordinator__pb2.GlobalMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from diloco.coordinator.service import Coordinator, RoundRecord
-from diloco.io import append_jsonl, read_jsonl
+from diloco.app.records import MetricsLine, append_metrics, read_metrics
 
 
 class MetricsReporter:
@@ -84,41 +84,41 @@ class MetricsReporter:
                 self.set_final(eval_loss)
             line = self._line(record.summary(), eval_loss=eval_loss, bytes_down=self._c.bytes_down(record.round))
             if by_sites is not None:
-                line["eval_sites"] = by_sites["sites"]
-                line["eval_tokens"] = by_sites["tokens"]
-            append_jsonl(self.path, line)
+                line.eval_sites = by_sites["sites"]
+                line.eval_tokens = by_sites["tokens"]
+            append_metrics(self.path, line)
             self.lines += 1
-            eval_bpb = line["eval_bpb"]
+            eval_bpb = line.eval_bpb
             shown = f"{eval_bpb:.4f}" if eval_bpb is not None else f"{eval_loss:.4f} nats/token" if eval_loss is not None else "-"
             verdict = f" REJECTED: {record.guard}" if record.rejected else ""
             self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}{verdict}")
 
-    def _line(self, rec: dict, *, eval_loss: float | None, bytes_down: int | None, recovered: bool = False) -> dict:
-        return {
-            "round": rec["round"],
-            "participants": rec["participants"],
-            "absent": rec["absent"],
-            "evicted": rec["evicted"],
-            "late": self._c.late_pushes(rec["round"]),
-            "merged": rec.get("merged", []),
-            **({"sliced": rec["sliced"]} if rec.get("sliced") else {}),
-            "rejected": rec["rejected"],
-            "guard": rec["guard"],
-            "tokens": rec["tokens"],
-            "inner_steps": rec["inner_steps"],
-            "bytes_up": rec["bytes_up"],
-            "bytes_down": bytes_down,
-            "train_loss": rec["train_loss"],
-            "eval_loss": eval_loss,
-            "eval_bpb": self._bpb(eval_loss),
-            "eval_by": self._eval_by if eval_loss is not None else None,
-            "update_norm": rec["update_norm"],
-            "delta_norm": rec["delta_norm"],
-            "global_sha256": rec["global_sha256"],
-            "wall_s": round(rec["wall_s"], 4),
-            "elapsed_s": round(rec["elapsed_s"], 4),
-            **({"recovered": True} if recovered else {}),
-        }
+    def _line(self, rec: dict, *, eval_loss: float | None, bytes_down: int | None, recovered: bool = False) -> MetricsLine:
+        return MetricsLine(
+            round=rec["round"],
+            participants=rec["participants"],
+            absent=rec["absent"],
+            evicted=rec["evicted"],
+            late=self._c.late_pushes(rec["round"]),
+            merged=rec.get("merged", []),
+            sliced=rec.get("sliced") or None,
+            rejected=rec["rejected"],
+            guard=rec["guard"],
+            tokens=rec["tokens"],
+            inner_steps=rec["inner_steps"],
+            bytes_up=rec["bytes_up"],
+            bytes_down=bytes_down,
+            train_loss=rec["train_loss"],
+            eval_loss=eval_loss,
+            eval_bpb=self._bpb(eval_loss),
+            eval_by=self._eval_by if eval_loss is not None else None,
+            update_norm=rec["update_norm"],
+            delta_norm=rec["delta_norm"],
+            global_sha256=rec["global_sha256"],
+            wall_s=round(rec["wall_s"], 4),
+            elapsed_s=round(rec["elapsed_s"], 4),
+            recovered=True if recovered else None,
+        )
 
     def _recover(self) -> None:
         """Cuts a torn last line and writes the committed rounds' missing lines (see above)."""
@@ -128,7 +128,7 @@ class MetricsReporter:
         if data and not data.endswith(b"\n"):
             with open(self.path, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
-        written = {line["round"] for line in read_jsonl(self.path)}
+        written = {line.round for line in read_metrics(self.path)}
         last = max(written, default=-1)
         records = self._c.recent_records()
         for r in range(last + 1, self._c.committed_rounds):
@@ -136,6 +136,6 @@ class MetricsReporter:
             if rec is None:
                 self._log(f"metrics: round {r} was committed before the restart but its record is gone; its line is missing")
                 continue
-            append_jsonl(self.path, self._line(rec, eval_loss=None, bytes_down=None, recovered=True))
+            append_metrics(self.path, self._line(rec, eval_loss=None, bytes_down=None, recovered=True))
             self.lines += 1
             self._log(f"metrics: wrote the line of round {r}, committed before the restart")

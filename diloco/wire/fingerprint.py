@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from diloco.codec.chunks import dtype_name
+from diloco.wire.chunks import dtype_name
 from diloco.types import TensorSpec
 
 

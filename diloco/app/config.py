@@ -8,14 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.codec import CodecConfig, codec_config
-from diloco.codec.chunks import MAX_CHUNK_BYTES
+from diloco.codec import CodecConfig, best_settings, codec_config
+from diloco.wire.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
-from diloco.faults import FaultsConfig, fault_to_dict
 from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
-from diloco.outer import AGGREGATES, OuterConfig
+from diloco.outer import OuterConfig, check_aggregate
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
 
@@ -69,13 +68,12 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     quorum: QuorumConfig = field(default_factory=QuorumConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)  # the coordinator's loss-spike guard
-    faults: FaultsConfig = field(default_factory=FaultsConfig)  # injected in the simulation only
     codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
     codec_down: CodecConfig | None = None  # downlink (update) encoding; None: the same as codec
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
     inner_budget_s: float | None = None  # dynamic local steps: a site stops its inner phase after this many seconds (>= 1 step, <= H)
-    error_feedback_decay: float = 1.0  # β: a site adds β × its last residual to the next Δ (SparseLoCo: 0.95)
-    aggregate: str = "mean"  # the coordinator's average of Δ: mean (over the round's sites) | nonzero (per coordinate, over the sites that sent it)
+    error_feedback_decay: float | None = None  # β: a site adds β × its last residual to the next Δ; None: the codec's best (codec.best_settings)
+    aggregate: str | None = None  # the coordinator's average of Δ: mean | nonzero (per coordinate, over the sites that sent it); None: the codec's best
     chunk_bytes: int = MAX_CHUNK_BYTES
     eval_every: int = 5  # evaluate θ on the held-out split every k rounds (and after the last)
     threads: int = 1  # torch intra-op threads per process
@@ -88,6 +86,19 @@ class RunConfig:
     tf32: bool = True  # CUDA: TensorFloat-32 for float32 matmuls and convolutions
 
     def __post_init__(self) -> None:
+        for field_name in ("codec", "codec_down"):
+            value = getattr(self, field_name)
+            if value is None and field_name == "codec_down":
+                continue
+            try:
+                # Strings and mappings (plain data) become a CodecConfig; bad ones fail here.
+                object.__setattr__(self, field_name, codec_config(value))
+            except ValueError as e:
+                raise ConfigError(f"{field_name}={value!r}: {e}") from None
+        # What the run leaves unset, the codec's measured best fills in.
+        for name, value in best_settings(self.codec.name).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}: must be one of {', '.join(MODES)}")
         for name in ("sites", "sync_every", "rounds", "eval_every", "threads"):
@@ -96,16 +107,14 @@ class RunConfig:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
         if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
             raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
-        try:
-            self.faults.check_against(self.sites, self.rounds)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         if self.inner_budget_s is not None and not (isinstance(self.inner_budget_s, (int, float)) and self.inner_budget_s > 0):
             raise ConfigError(f"inner_budget_s={self.inner_budget_s!r}: must be null or a number of seconds > 0")
         if not (isinstance(self.error_feedback_decay, (int, float)) and 0.0 <= self.error_feedback_decay <= 1.0):
             raise ConfigError(f"error_feedback_decay={self.error_feedback_decay!r}: must be a number in [0, 1]")
-        if self.aggregate not in AGGREGATES:
-            raise ConfigError(f"aggregate={self.aggregate!r}: must be one of {', '.join(AGGREGATES)}")
+        try:
+            check_aggregate(self.aggregate)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.eval_by not in EVAL_BY:
             raise ConfigError(f"eval_by={self.eval_by!r}: must be one of {', '.join(EVAL_BY)}")
         if self.device not in DEVICES:
@@ -138,15 +147,6 @@ class RunConfig:
                 raise ConfigError(f"layout={n}: cuts the built-in transformer's modules; model={self.model.name} runs with single, ddp2 or fsdp2")
             if self.layout.activation_checkpointing:
                 raise ConfigError(f"layout.activation_checkpointing=true: wraps the built-in transformer's blocks; not available for model={self.model.name}")
-        for field_name in ("codec", "codec_down"):
-            value = getattr(self, field_name)
-            if value is None and field_name == "codec_down":
-                continue
-            try:
-                # Strings and mappings (plain data) become a CodecConfig; bad ones fail here.
-                object.__setattr__(self, field_name, codec_config(value))
-            except ValueError as e:
-                raise ConfigError(f"{field_name}={value!r}: {e}") from None
 
     @property
     def downlink_codec(self) -> CodecConfig:
@@ -186,9 +186,8 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         outer = _build(OuterConfig, d.pop("outer", {}), "outer")
         quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
         guard = _build(GuardConfig, d.pop("guard", {}), "guard")
-        faults = _build(FaultsConfig, d.pop("faults", {}), "faults")
         init = _build(InitConfig, d.pop("init", {}), "init")
-        sections = {"model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "faults": faults, "init": init}
+        sections = {"model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "init": init}
         return _build(RunConfig, {**d, **sections}, "")
     except ConfigError:
         raise
@@ -210,5 +209,4 @@ def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain, JSON-able data that run_config_from_dict turns back into ``cfg``."""
     out = dataclasses.asdict(cfg)
     out["outer"]["kwargs"] = dict(cfg.outer.kwargs)
-    out["faults"] = {"events": [fault_to_dict(e) for e in cfg.faults.events]}
     return out

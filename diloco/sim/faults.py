@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco.errors import RemoteError
+
 KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site")
 _PHASES = {"kill_site": ("inner", "push", "pull"), "kill_coordinator": ("between", "mid")}
 _REQUIRED = {
@@ -125,7 +127,16 @@ class FaultsConfig:
                 raise ValueError(f"faults.events[{i}].at_round={e.at_round}: this run has rounds 0..{rounds - 1}")
 
 
+def faults_to_dict(f: FaultsConfig) -> dict[str, Any]:
+    return {"events": [fault_to_dict(e) for e in f.events]}
+
+
+def faults_from_file(path: Path) -> FaultsConfig:
+    return FaultsConfig(events=tuple(json.loads(path.read_text()).get("events", ())))
+
+
 # ---- firing ------------------------------------------------------------------------------
+FAULTS_FILE = "faults.json"  # the run's fault events, written by the simulator for its processes
 FIRED_FILE = "faults.jsonl"
 
 
@@ -167,15 +178,21 @@ class FaultPlan:
         time.sleep(60)  # not reached: SIGKILL cannot be caught
 
 
-def coordinator_hooks(plan: FaultPlan) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    """(on_commit(round), on_push(round)) that kill the coordinator where its events say."""
+def coordinator_hooks(plan: FaultPlan) -> Callable[[Any], None]:
+    """What the simulated coordinator process does with its Coordinator before serving:
+    listeners that kill it where its events say (``between``: right after round at_round was
+    committed; ``mid``: when the first push of round at_round arrives)."""
 
     def fire(phase: str, r: int) -> None:
         for i, e in plan.events.items():
             if e.kind == "kill_coordinator" and e.phase == phase and e.at_round == r:
                 plan.kill(i, round=r, phase=phase)
 
-    return (lambda r: fire("between", r)), (lambda r: fire("mid", r))
+    def attach(coordinator: Any) -> None:
+        coordinator.on_commit.append(lambda record: fire("between", record.round))
+        coordinator.on_push.append(lambda r: fire("mid", r))
+
+    return attach
 
 
 @dataclass
@@ -241,23 +258,19 @@ class _FaultyClient:
         return guarded
 
     def _check_partition(self) -> None:
-        from diloco.transport import RemoteError  # only here: the plan itself stays transport-free
-
         left = self._f._partition_until - time.monotonic()
         if left > 0:
             time.sleep(min(left, 0.5))  # a cut network fails after a while, not at once
-            raise RemoteError("UNAVAILABLE", f"injected: site {self._f.site} is cut off from the coordinator ({left:.1f}s left)")
+            raise RemoteError("unavailable", f"injected: site {self._f.site} is cut off from the coordinator ({left:.1f}s left)")
 
     def push(self, header: Any, chunks: Iterable[Any]) -> Any:
-        from diloco.transport import RemoteError
-
         self._check_partition()
         f = self._f
         for i, e in f._events("drop_push"):
             if f._rng.random() < e.prob:
                 f.dropped_pushes += 1
                 f.plan.record(i, round=header.round, site=f.site)
-                raise RemoteError("UNAVAILABLE", f"injected: push of round {header.round} was lost on the way")
+                raise RemoteError("unavailable", f"injected: push of round {header.round} was lost on the way")
         kills = f._events("kill_site", at_round=header.round, phase="push")
         if kills:
             chunks = self._kill_after_first(chunks, kills[0][0], header.round)

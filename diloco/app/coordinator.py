@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from diloco.checkpoint import CheckpointError, load_latest
-from diloco.config import ConfigError, RunConfig
-from diloco.coordinator.fingerprint import fingerprint, mismatches
+from diloco.app import records
+from diloco.app.config import ConfigError, RunConfig
+from diloco.app.records import GlobalRecord
+from diloco.wire.fingerprint import fingerprint, mismatches
 from diloco.coordinator.init_file import load_init_file
-from diloco.coordinator.metrics import MetricsReporter
-from diloco.coordinator.service import Coordinator, CoordinatorConfig
+from diloco.app.metrics import MetricsReporter
+from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.data import DataError, eval_batches, load_corpus
-from diloco.faults import FaultPlan, coordinator_hooks
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.site.inner import evaluate_loss
@@ -36,11 +37,13 @@ class CoordinatorOptions:
     linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
     port_file: str | None = None
     checkpoint_dir: str | None = None  # checkpoint every round there; resume from it on start
-    faults: FaultPlan | None = None  # injected faults (simulation only)
 
 
-def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Serves rounds 0 .. cfg.rounds-1, then writes run_dir/global.json and returns its content."""
+def run_coordinator(
+    cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None] = print, attach: Callable[[Coordinator], None] | None = None
+) -> dict[str, Any]:
+    """Serves rounds 0 .. cfg.rounds-1, then writes run_dir/global.json and returns its content.
+    ``attach``: called with the Coordinator before it serves (the simulation's fault hooks)."""
     torch.set_num_threads(cfg.threads)
     limit_malloc_arenas()  # memory must not grow with the number of sites (see diloco/io.py)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -52,10 +55,7 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
         CoordinatorConfig(
             total_rounds=cfg.rounds,
             min_sites=_min_sites(cfg, opts),
-            lease_s=cfg.quorum.lease_s,
-            deadline=cfg.quorum.deadline,
-            deadline_s=cfg.quorum.deadline_s,
-            deadline_factor=cfg.quorum.deadline_factor,
+            quorum=cfg.quorum,
             codec_down=cfg.downlink_codec,
             error_feedback_down=cfg.error_feedback,
             aggregate=cfg.aggregate,
@@ -67,9 +67,6 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
             init_source=source,
             site_eval_every=cfg.eval_every if evaluate is None and cfg.eval_by != "coordinator" else 0,
             guard=cfg.guard,
-            late=cfg.quorum.late,
-            late_discount=cfg.quorum.late_discount,
-            max_staleness=cfg.quorum.max_staleness,
         ),
     )
     if opts.checkpoint_dir:
@@ -78,10 +75,8 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log)
     coordinator.on_commit.append(reporter.submit)
     coordinator.on_init.append(lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params, sha256 {coordinator.global_sha256()[:16]}"))
-    if opts.faults is not None:
-        kill_between, kill_mid = coordinator_hooks(opts.faults)
-        coordinator.on_commit.append(lambda record: kill_between(record.round))
-        coordinator.on_push.append(kill_mid)
+    if attach is not None:
+        attach(coordinator)
     server, port = serve(coordinator, opts.host, opts.port)
     stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
@@ -104,22 +99,22 @@ def run_coordinator(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log
     finally:
         stop_ticker()
         server.stop(grace=2.0).wait(5.0)
-    result = {
-        "params": _count(coordinator),
-        "init_from": coordinator.init_from if coordinator.ready else None,
-        "rounds_committed": coordinator.committed_rounds,
-        "global_sha256": coordinator.global_sha256(),
-        "eval_by": eval_by,
-        "final_eval_loss": reporter.final_eval_loss,
-        "final_eval_bpb": reporter.final_eval_bpb,
-        "site_reported_sha256": coordinator.left_sites(),
-        "wall_s": round(time.monotonic() - start, 3),
-        "port": port,
-        "peak_rss_mb": peak_rss_mb(),
-    }
-    write_json_atomic(run_dir / "global.json", result)
-    log(f"coordinator done: {result['rounds_committed']} rounds, global sha256 {result['global_sha256'][:16]}")
-    return result
+    result = GlobalRecord(
+        params=_count(coordinator),
+        init_from=coordinator.init_from if coordinator.ready else None,
+        rounds_committed=coordinator.committed_rounds,
+        global_sha256=coordinator.global_sha256(),
+        eval_by=eval_by,
+        final_eval_loss=reporter.final_eval_loss,
+        final_eval_bpb=reporter.final_eval_bpb,
+        site_reported_sha256=coordinator.left_sites(),
+        wall_s=round(time.monotonic() - start, 3),
+        port=port,
+        peak_rss_mb=peak_rss_mb(),
+    )
+    records.write(run_dir / "global.json", result)
+    log(f"coordinator done: {result.rounds_committed} rounds, global sha256 {result.global_sha256[:16]}")
+    return records.to_dict(result)
 
 
 def initial_params(cfg: RunConfig) -> tuple[dict[str, torch.Tensor] | None, str]:

@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.config import RunConfig
+from diloco.app.config import RunConfig
 from diloco.data import ShardSampler, eval_batches, load_corpus
-from diloco.io import append_jsonl, peak_rss_mb, write_json_atomic
+from diloco.app import records
+from diloco.app.records import GlobalRecord, MetricsLine, WorkerRecord, append_metrics
+from diloco.io import peak_rss_mb
 from diloco.model import build_model, count_params
 from diloco.outer import params_sha256
 from diloco.site.inner import InnerTrainer, evaluate_loss
@@ -75,29 +77,31 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
             now = time.monotonic()
             line = _metrics_line(cfg, r, world_size, sampler.tokens_per_batch, grad_bytes_per_step, float(loss), eval_bpb, model)
             line.update(eval_loss=eval_loss, eval_by="coordinator" if eval_loss is not None else None)
-            append_jsonl(run_dir / "metrics.jsonl", {**line, "wall_s": round(now - round_start, 4), "elapsed_s": round(now - start, 4)})
+            append_metrics(run_dir / "metrics.jsonl", MetricsLine(**line, wall_s=round(now - round_start, 4), elapsed_s=round(now - start, 4)))
             round_start = now
             log(f"{cfg.mode} round {r} done: train_loss={float(loss):.4f}" + (f" eval_bpb={eval_bpb:.4f}" if eval_bpb is not None else ""))
     digest = params_sha256(dict(model.named_parameters()))
-    result = {
-        "site_id": str(rank),
-        "shard": rank,
-        "rounds": cfg.rounds,
-        "tokens": cfg.total_steps * sampler.tokens_per_batch,
-        "inner_steps": trainer.steps_done,
-        "bytes_up": grad_bytes_per_step // world_size * cfg.total_steps,
-        "bytes_down": grad_bytes_per_step // world_size * cfg.total_steps,
-        "global_sha256": digest,
-        "wall_s": round(time.monotonic() - start, 3),
-        "peak_rss_mb": peak_rss_mb(),
-    }
-    write_json_atomic(run_dir / "workers" / f"{rank}.json", result)
+    result = WorkerRecord(
+        site_id=str(rank),
+        shard=rank,
+        rounds=cfg.rounds,
+        tokens=cfg.total_steps * sampler.tokens_per_batch,
+        inner_steps=trainer.steps_done,
+        bytes_up=grad_bytes_per_step // world_size * cfg.total_steps,
+        bytes_down=grad_bytes_per_step // world_size * cfg.total_steps,
+        global_sha256=digest,
+        wall_s=round(time.monotonic() - start, 3),
+        peak_rss_mb=peak_rss_mb(),
+    )
+    records.write(run_dir / "workers" / f"{rank}.json", result)
     if rank == 0:
-        write_json_atomic(
+        records.write(
             run_dir / "global.json",
-            {"params": params, "rounds_committed": cfg.rounds, "global_sha256": digest, "final_eval_bpb": final_eval, "final_eval_loss": final_loss, "wall_s": result["wall_s"], "peak_rss_mb": peak_rss_mb()},
+            GlobalRecord(
+                params=params, rounds_committed=cfg.rounds, global_sha256=digest, final_eval_bpb=final_eval, final_eval_loss=final_loss, wall_s=result.wall_s, peak_rss_mb=peak_rss_mb()
+            ),
         )
-    return result
+    return records.to_dict(result)
 
 
 def _metrics_line(

@@ -22,7 +22,6 @@ def encode_chunks(
     tensors: Mapping[str, torch.Tensor],
     *,
     codec: Codec,
-    round: int,
     chunk_bytes: int = MAX_CHUNK_BYTES,
     boxes: Mapping[str, tuple[Box, tuple[int, ...]]] | None = None,
 ) -> Iterator[Chunk]:
@@ -55,7 +54,6 @@ def encode_chunks(
                 numel=piece.numel(),
                 codec=codec.name,
                 payload=codec.encode(piece),
-                round=round,
                 box_start=box_start,
                 box_shape=box_shape,
             )
@@ -104,6 +102,52 @@ def _decode(chunk: Chunk) -> torch.Tensor:
     return values
 
 
+class _Arrivals:
+    """The one check of every chunk that builds whole tensors: its header against the specs,
+    its slice inside the tensor and overlapping no other slice, and its elements following the
+    previous chunk of the slice with no gap or overlap. Records where each slice is up to."""
+
+    def __init__(self, specs: Mapping[str, TensorSpec], other_slices: str) -> None:
+        self._specs = specs
+        self._other_slices = other_slices  # how an overlap names the slices it hit
+        self.next_offset: dict[tuple[str, Box], int] = {}
+        self.boxes: dict[str, list[Box]] = {}
+
+    def check(self, chunk: Chunk) -> tuple[TensorSpec, Box]:
+        spec = _check_header(self._specs, chunk)
+        box = chunk.box
+        key = (chunk.name, box)
+        if key not in self.next_offset:
+            why = box.problem(spec.shape)
+            if why is not None:
+                raise CodecError(f"chunk of {chunk.name!r}: {why}")
+            for other in self.boxes.get(chunk.name, []):
+                if other.overlaps(box):
+                    raise CodecError(f"slice {box} of {chunk.name!r} overlaps slice {other} {self._other_slices}")
+        _check_range(chunk, self.next_offset.get(key, 0), box.numel, "" if box.is_whole(spec.shape) else f" slice {box}")
+        if key not in self.next_offset:
+            self.boxes.setdefault(chunk.name, []).append(box)
+        self.next_offset[key] = chunk.offset + chunk.numel
+        return spec, box
+
+    def partial(self) -> list[str]:
+        """Slices whose chunks stopped short."""
+        return [f"{n!r} slice {b}" for (n, b), end in self.next_offset.items() if end != b.numel]
+
+    def problems(self) -> list[str]:
+        """What keeps the tensors from being complete: missing, partial or not tiled."""
+        out = []
+        for n in sorted(self._specs):
+            boxes = self.boxes.get(n, [])
+            if not boxes or any(self.next_offset[(n, b)] != b.numel for b in boxes):
+                out.append(f"{n!r} missing or partial")
+            else:
+                why = tiling_problem(boxes, self._specs[n].shape)
+                if why is not None:
+                    out.append(f"{n!r}: {why}")
+        return out
+
+
 class ChunkAssembler:
     """Decodes a stream of chunks into whole float32 tensors, checking every header.
 
@@ -118,57 +162,34 @@ class ChunkAssembler:
     def __init__(self, specs: Mapping[str, TensorSpec], out: dict[str, torch.Tensor] | None = None) -> None:
         self._specs = specs
         self._out = out if out is not None else {}
-        self._next_offset: dict[tuple[str, Box], int] = {}
-        self._boxes: dict[str, list[Box]] = {}
+        self._arrivals = _Arrivals(specs, "that arrived before")
         self._pending: dict[tuple[str, Box], torch.Tensor] = {}  # slices being filled
         self.payload_bytes = 0
 
-    def add(self, chunk: Chunk) -> None:
-        spec = _check_header(self._specs, chunk)
-        box = chunk.box
-        whole = box.is_whole(spec.shape)
-        key = (chunk.name, box)
-        if key not in self._next_offset:
-            why = box.problem(spec.shape)
-            if why is not None:
-                raise CodecError(f"chunk of {chunk.name!r}: {why}")
-            for other in self._boxes.get(chunk.name, []):
-                if other.overlaps(box):
-                    raise CodecError(f"slice {box} of {chunk.name!r} overlaps its slice {other} that arrived before")
-        where = "" if whole else f" slice {box}"
-        _check_range(chunk, self._next_offset.get(key, 0), box.numel, where)
-        values = _decode(chunk)
-        if key not in self._next_offset:
-            self._boxes.setdefault(chunk.name, []).append(box)
+    def add(self, chunk: Chunk, values: torch.Tensor | None = None) -> None:
+        """Checks ``chunk`` and puts its values in place; ``values``: the chunk already decoded
+        (by ``check_part``), so it is not decoded again."""
+        spec, box = self._arrivals.check(chunk)
+        if values is None:
+            values = _decode(chunk)
+            self.payload_bytes += len(chunk.payload)
         buf = self._out.get(chunk.name)
         if buf is None:
             buf = self._out[chunk.name] = torch.empty(spec.shape, dtype=torch.float32)
-        if whole:
+        if box.is_whole(spec.shape):
             buf.view(-1)[chunk.offset : chunk.offset + chunk.numel] = values
         else:
+            key = (chunk.name, box)
             part = self._pending.get(key)
             if part is None:
                 part = self._pending[key] = torch.empty(box.numel, dtype=torch.float32)
             part[chunk.offset : chunk.offset + chunk.numel] = values
             if chunk.offset + chunk.numel == box.numel:
                 buf[box.slices()] = self._pending.pop(key).view(box.shape)
-        self._next_offset[key] = chunk.offset + chunk.numel
-        self.payload_bytes += len(chunk.payload)
 
     def problems(self) -> list[str]:
         """What keeps the tensors from being complete: missing, partial or not tiled."""
-        out = []
-        for n in sorted(self._specs):
-            shape = self._specs[n].shape
-            boxes = self._boxes.get(n, [])
-            partial = [b for b in boxes if self._next_offset[(n, b)] != b.numel]
-            if not boxes or partial:
-                out.append(f"{n!r} missing or partial")
-            else:
-                why = tiling_problem(boxes, shape)
-                if why is not None:
-                    out.append(f"{n!r}: {why}")
-        return out
+        return self._arrivals.problems()
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The assembled tensors; CodecError if any expected tensor is missing, incomplete or
@@ -181,38 +202,23 @@ class ChunkAssembler:
         return {n: self._out[n] for n in self._specs}
 
 
-def check_part(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], round: int) -> tuple[list[Chunk], dict[str, list[Box]], int]:
-    """Checks one rank's part of a sharded push without assembling whole tensors: headers,
-    slices inside their tensors and not overlapping each other, chunks in order, payloads
-    that decode to finite values. Returns the chunks, the slices per tensor, and the payload
-    bytes; raises CodecError naming what was wrong."""
-    kept: list[Chunk] = []
-    boxes: dict[str, list[Box]] = {}
-    next_offset: dict[tuple[str, Box], int] = {}
+def check_part(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk]) -> tuple[list[tuple[Chunk, torch.Tensor]], dict[str, list[Box]], int]:
+    """Checks one rank's part of a sharded push without assembling whole tensors: the checks
+    of ``ChunkAssembler.add`` (headers, slices inside their tensors and not overlapping each
+    other, chunks in order, finite values). Returns each chunk (its payload dropped) with its
+    decoded values, for ``ChunkAssembler.add`` once every part is in, the slices per tensor,
+    and the payload bytes; raises CodecError naming what was wrong."""
+    arrivals = _Arrivals(specs, "of the same push")
+    kept: list[tuple[Chunk, torch.Tensor]] = []
     payload = 0
     for chunk in chunks:
-        if chunk.round != round:
-            raise CodecError(f"chunk of {chunk.name!r} is for round {chunk.round}, header says {round}")
-        spec = _check_header(specs, chunk)
-        box = chunk.box
-        key = (chunk.name, box)
-        if key not in next_offset:
-            why = box.problem(spec.shape)
-            if why is not None:
-                raise CodecError(f"chunk of {chunk.name!r}: {why}")
-            for other in boxes.get(chunk.name, []):
-                if other.overlaps(box):
-                    raise CodecError(f"slice {box} of {chunk.name!r} overlaps slice {other} of the same push")
-            boxes.setdefault(chunk.name, []).append(box)
-        _check_range(chunk, next_offset.get(key, 0), box.numel, "" if box.is_whole(spec.shape) else f" slice {box}")
-        _decode(chunk)
-        next_offset[key] = chunk.offset + chunk.numel
+        arrivals.check(chunk)
+        kept.append((dataclasses.replace(chunk, payload=b""), _decode(chunk)))
         payload += len(chunk.payload)
-        kept.append(chunk)
-    partial = [f"{n!r} slice {b}" for (n, b), end in next_offset.items() if end != b.numel]
+    partial = arrivals.partial()
     if partial:
         raise CodecError(f"incomplete: {', '.join(partial[:5])} cut short")
-    return kept, boxes, payload
+    return kept, arrivals.boxes, payload
 
 
 def chunks_overlapping(chunks: Iterable[Chunk], want: Mapping[str, Box]) -> list[Chunk]:

@@ -1,0 +1,220 @@
+"""Every file of a run directory, as typed records: written and read here, and documented
+from here (docs/outputs.md is generated from this module by scripts/gen_outputs_doc.py, and a
+test fails when it is stale).
+
+A field's ``doc`` says what it holds; an ``optional`` field is left out of the file when it
+is None (it appears only in the runs it applies to).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from diloco.io import append_jsonl, read_jsonl, write_json_atomic
+
+R = TypeVar("R")
+
+
+def _f(doc: str, *, optional: bool = False, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
+    meta = {"doc": doc, "optional": optional}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    if optional and default is dataclasses.MISSING:
+        default = None
+    return field(default=default, metadata=meta)
+
+
+def to_dict(record: Any) -> dict[str, Any]:
+    """The record as the file holds it: every field, optional ones only when set."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if not (f.metadata.get("optional") and getattr(record, f.name) is None)}
+
+
+def from_dict(cls: type[R], d: dict[str, Any]) -> R:
+    """A record from what a file holds; keys the record does not know are an error."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
+    return cls(**d)
+
+
+def write(path: Path, record: Any) -> None:
+    write_json_atomic(path, to_dict(record))
+
+
+def read(path: Path, cls: type[R]) -> R:
+    return from_dict(cls, json.loads(path.read_text()))
+
+
+@dataclass
+class MetricsLine:
+    """One committed round (DiLoCo), or one block of ``sync_every`` steps (ddp, single)."""
+
+    round: int = _f("round number, 0-based; each committed round appears exactly once")
+    participants: list[str] = _f("sites whose push counted in this round (ddp/single: the ranks)")
+    absent: list[str] = _f("active sites that did not push in time")
+    evicted: list[str] = _f("sites whose lease ran out while the round was open")
+    late: list[dict[str, Any]] = _f("pushes refused while this round was open, for rounds committed without them: {site, round}")
+    merged: list[dict[str, Any]] = _f("late pushes merged into this round (quorum.late=merge): {site, round, weight, tokens}")
+    rejected: bool = _f("the loss-spike guard rejected the round: θ did not move")
+    guard: str | None = _f("the guard's figures when it rejected the round")
+    tokens: int = _f("tokens of the participants' inner phases")
+    inner_steps: int = _f("inner steps of the participants, summed")
+    bytes_up: int = _f("payload bytes pushed into this round (pseudo-gradients)")
+    bytes_down: int | None = _f("payload bytes pulled of this round's update (null in a line rewritten after a restart)")
+    train_loss: float | None = _f("token-weighted mean inner training loss, nats per token")
+    eval_loss: float | None = _f("held-out loss of θ after the round, nats per token (every eval_every rounds and the last)")
+    eval_bpb: float | None = _f("eval_loss in bits per byte (bytes data only, else null)")
+    eval_by: str | None = _f("who evaluated: coordinator | sites")
+    update_norm: float | None = _f("L2 norm of the outer update applied to θ (null in the baselines)")
+    delta_norm: float | None = _f("L2 norm of the participants' weighted mean Δ, which the guard judges (null in the baselines)")
+    global_sha256: str = _f("sha256 of θ after the round: every site ends with the same")
+    wall_s: float = _f("seconds from the round's opening to its commit")
+    elapsed_s: float = _f("seconds from the coordinator's start to the commit")
+    sliced: dict[str, list[dict[str, int]]] | None = _f("sharded sites: per part {part, whole, sliced, numel}", optional=True)
+    eval_sites: list[str] | None = _f("evaluation by sites: the sites whose loss was averaged", optional=True)
+    eval_tokens: int | None = _f("evaluation by sites: held-out tokens behind eval_loss", optional=True)
+    recovered: bool | None = _f("true: written by a restarted coordinator for a round its predecessor committed", optional=True)
+
+
+def append_metrics(path: Path, line: MetricsLine) -> None:
+    append_jsonl(path, to_dict(line))
+
+
+def read_metrics(path: Path) -> list[MetricsLine]:
+    return [from_dict(MetricsLine, d) for d in read_jsonl(path)]
+
+
+@dataclass
+class GlobalRecord:
+    """The coordinator's report (ddp/single: rank 0's), written when it stops."""
+
+    params: int = _f("number of parameters in θ")
+    rounds_committed: int = _f("rounds committed")
+    global_sha256: str = _f("sha256 of the final θ")
+    final_eval_loss: float | None = _f("held-out loss of the final θ, nats per token")
+    final_eval_bpb: float | None = _f("final_eval_loss in bits per byte (bytes data only)")
+    wall_s: float = _f("seconds the process served (trained)")
+    peak_rss_mb: float = _f("peak resident memory of the process, MiB")
+    init_from: str | None = _f("where θ₀ came from (model config, file, or a site); null in the baselines", default=None)
+    eval_by: str | None = _f("who evaluated θ: coordinator | sites; null in the baselines", default=None)
+    site_reported_sha256: dict[str, str] | None = _f("site -> the θ hash it reported when it left", optional=True)
+    port: int | None = _f("the port the coordinator listened on", optional=True)
+
+
+@dataclass
+class WorkerRecord:
+    """One site (DiLoCo) or rank (ddp, single), written when it finishes: workers/<id>.json."""
+
+    site_id: str = _f("the site's id (baselines: the rank)")
+    shard: int = _f("its data shard")
+    rounds: int = _f("rounds it took part in (the hashes it recorded; baselines: every round)")
+    tokens: int = _f("tokens of its rounds")
+    inner_steps: int = _f("inner steps in its schedule at the end")
+    bytes_up: int = _f("payload bytes it pushed (all ranks)")
+    bytes_down: int = _f("payload bytes it pulled (all ranks)")
+    global_sha256: str = _f("sha256 of its final θ (equal to global.json's in a healthy run)")
+    wall_s: float = _f("seconds the process ran")
+    peak_rss_mb: float = _f("peak resident memory of the process (leader rank), MiB")
+    layout: str | None = _f("its layout (single, ddp2, fsdp2, tp2, pp2, tp2_fsdp2)", optional=True)
+    device: str | None = _f("where it trained (cpu, cuda:0, …)", optional=True)
+    ranks: int | None = _f("processes of the site", optional=True)
+    bytes_up_per_rank: list[int] | None = _f("bytes_up per rank", optional=True)
+    bytes_down_per_rank: list[int] | None = _f("bytes_down per rank", optional=True)
+    sync_s_median_per_rank: list[dict[str, float]] | None = _f("per rank, the median seconds of each part of an outer sync (delta, encode, push, wait, pull, apply)", optional=True)
+    inner_step_s_median: float | None = _f("median seconds of an inner step", optional=True)
+    steps_per_round: dict[str, int] | None = _f("round -> inner steps it ran (fewer than H under inner_budget_s)", optional=True)
+    round_sha256: dict[str, str] | None = _f("round -> sha256 of its θ after the round", optional=True)
+    dropped_rounds: list[int] | None = _f("rounds committed without its push (it came too late)", optional=True)
+    merged_rounds: list[int] | None = _f("rounds whose late push was merged into a later round", optional=True)
+    rejoins: int | None = _f("times it had to join again (evicted, or forgotten by a restarted coordinator)", optional=True)
+    reconnects: int | None = _f("calls retried because the coordinator could not be reached", optional=True)
+    incarnation: int | None = _f("how many times this site's process was started again", optional=True)
+
+
+@dataclass
+class ProgressRecord:
+    """progress/<site>.<incarnation>.json: tokens one site process trained so far, rewritten every step."""
+
+    tokens: int = _f("tokens trained by this process, counted as it goes (goodput's denominator)")
+
+
+@dataclass
+class Summary:
+    """diloco-sim's summary of the whole run: summary.json."""
+
+    mode: str = _f("diloco | ddp | single")
+    sites: int = _f("sites (ddp: ranks; single: 1)")
+    sync_every: int = _f("H")
+    rounds: int = _f("rounds configured")
+    rounds_committed: int = _f("rounds committed")
+    rounds_rejected: int = _f("rounds the guard rejected")
+    faults_injected: list[dict[str, Any]] = _f("the fault events that fired (faults.jsonl)")
+    goodput: float | None = _f("tokens in committed rounds / every token any site process trained")
+    model: str = _f("model name")
+    codec: str = _f("uplink codec, with its parameters")
+    codec_down: str = _f("downlink codec, with its parameters")
+    seed: int = _f("the run's seed")
+    params: int = _f("number of parameters")
+    tokens: int = _f("tokens in committed rounds")
+    final_eval_bpb: float | None = _f("held-out bits per byte of the final θ (bytes data)")
+    final_eval_loss: float | None = _f("held-out loss of the final θ, nats per token")
+    eval_by: str | None = _f("who evaluated θ")
+    final_train_loss: float | None = _f("train_loss of the last round")
+    bytes_up: int = _f("payload bytes pushed, all rounds")
+    bytes_down: int = _f("payload bytes pulled, all rounds")
+    wall_s: float = _f("seconds the simulation took")
+    global_sha256: str = _f("sha256 of the final θ")
+    site_global_sha256: dict[str, str] = _f("site -> the sha256 of its final θ")
+    hashes_equal: bool = _f("every site ended with the coordinator's θ, bit for bit")
+    peak_rss_mb: dict[str, float | None] = _f("process -> peak resident memory, MiB")
+    run_dir: str = _f("where the run's files are")
+
+
+@dataclass(frozen=True)
+class RunFile:
+    path: str
+    what: str
+    record: type | None = None
+    written_by: str = ""
+
+
+RUN_FILES: tuple[RunFile, ...] = (
+    RunFile("config.json", "the resolved run config every process reads (diloco.app.config.run_config_to_dict)", None, "diloco-sim"),
+    RunFile("metrics.jsonl", "one JSON line per committed round", MetricsLine, "the coordinator (ddp/single: rank 0)"),
+    RunFile("global.json", "the coordinator's report", GlobalRecord, "the coordinator (ddp/single: rank 0)"),
+    RunFile("workers/<id>.json", "one per site (or rank)", WorkerRecord, "each site / rank"),
+    RunFile("progress/<site>.<incarnation>.json", "tokens a site process trained so far", ProgressRecord, "each site process"),
+    RunFile("summary.json", "the run's summary", Summary, "diloco-sim"),
+    RunFile("faults.json", "the fault events to inject (the `faults` section of diloco-sim)", None, "diloco-sim"),
+    RunFile("faults.jsonl", "one line per fault event that fired: event, kind, process, time, round, …", None, "the process that suffered it"),
+    RunFile("checkpoints/coordinator/, checkpoints/site-<i>/", "atomic checkpoints (coordinator: every round; sites: their own state)", None, "the coordinator, each site"),
+    RunFile("logs/<process>.<incarnation>.log", "each process's output", None, "diloco-sim"),
+)
+
+
+def outputs_markdown() -> str:
+    """docs/outputs.md: every file of a run directory, and every field of the typed ones."""
+    out = [
+        "# What a run writes",
+        "",
+        "Generated from `diloco/app/records.py` by `scripts/gen_outputs_doc.py`; `tests/unit/test_records.py`",
+        "fails when this file is stale. Fields marked *optional* appear only in the runs they apply to.",
+        "",
+        "| file | what | written by |",
+        "|---|---|---|",
+    ]
+    out += [f"| `{f.path}` | {f.what} | {f.written_by} |" for f in RUN_FILES]
+    for f in RUN_FILES:
+        if f.record is None:
+            continue
+        out += ["", f"## `{f.path}`", "", (f.record.__doc__ or "").strip(), "", "| field | type | meaning |", "|---|---|---|"]
+        for fld in dataclasses.fields(f.record):
+            kind = str(fld.type).replace("|", "\\|")
+            opt = " *(optional)*" if fld.metadata.get("optional") else ""
+            out.append(f"| `{fld.name}` | `{kind}` | {fld.metadata['doc']}{opt} |")
+    return "\n".join(out) + "\n"

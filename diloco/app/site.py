@@ -1,0 +1,255 @@
+"""The site process: its data shard, the inner trainer, and the outer sync every H steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from diloco.app import records
+from diloco.app.config import RunConfig
+from diloco.app.records import ProgressRecord, WorkerRecord
+from diloco.data import ShardSampler, eval_batches, load_corpus
+from diloco.io import peak_rss_mb, write_json_atomic
+from diloco.model import build_model
+from diloco.site.checkpoint import SiteCheckpointer
+from diloco.outer import params_sha256
+from diloco.site.device import configure_cuda, resolve_device
+from diloco.site.inner import InnerTrainer, evaluate_loss
+from diloco.site.layouts.build import build_layout, close_site_group, init_site_group
+from diloco.site.outer_sync import OuterSync, SyncOptions
+from diloco.transport import CoordinatorClient
+
+
+class SiteHooks(Protocol):
+    """Calls into a site process at its fixed points (the simulation's fault injection)."""
+
+    def wrap(self, client: Any) -> Any:
+        """The client the site calls the coordinator through."""
+
+    def before_push(self, round: int) -> None: ...
+
+    def after_step(self, round: int, step: int, steps: int, step_s: float) -> None:
+        """After inner step ``step`` (0-based) of ``steps`` in ``round``, which took ``step_s``."""
+
+
+@dataclass(frozen=True)
+class SiteOptions:
+    site_id: str = "0"
+    coordinator: str = "127.0.0.1:50051"
+    shard: int | None = None  # data shard (0 .. sites-1); default: the site id, if it is a number
+    connect_timeout_s: float = 120.0
+    incarnation: int = 0  # how many times this site was started again (its progress file's name)
+    checkpoint_dir: str | None = None  # the site's own checkpoint after every round; restored on start
+    # Simulation only: the coordinator is started at the same time as the site and writes the
+    # port it listens on here; the site reads it once it is ready to connect.
+    coordinator_port_file: str | None = None
+    gpu: int | None = None  # device=cuda: which visible GPU (modulo their number); default LOCAL_RANK (torchrun) or 0
+
+    def coordinator_address(self) -> str:
+        """Where to call the coordinator: ``coordinator``, or what the port file says once it exists."""
+        if self.coordinator_port_file is None:
+            return self.coordinator
+        path, deadline = Path(self.coordinator_port_file), time.monotonic() + self.connect_timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no coordinator port in {path} after {self.connect_timeout_s:.0f}s")
+            time.sleep(0.05)
+        where = json.loads(path.read_text())
+        return f"{where['host']}:{where['port']}"
+
+    def data_shard(self, num_shards: int) -> int:
+        shard = self.shard if self.shard is not None else int(self.site_id) if self.site_id.isdigit() else None
+        if shard is None or not 0 <= shard < num_shards:
+            raise ValueError(f"site.shard={shard}: set it to a data shard in 0..{num_shards - 1} for site {self.site_id!r}")
+        return shard
+
+
+def _silent(_msg: str) -> None:
+    pass
+
+
+def _restore(checkpointer: SiteCheckpointer | None, sync: OuterSync, site_id: str, log: Callable[[str], None]) -> bool:
+    """Restores the site's own checkpoint if it has one; True if it was exact (the sampler and
+    residual too), False if the data must be moved on to where the run is."""
+    restored = checkpointer.restore(round=sync.round, global_sha256=sync.global_sha256(), set_residual=sync.set_residual) if checkpointer else None
+    if restored is None:
+        log(f"site {site_id}: no checkpoint of this run; the inner optimizer state starts fresh")
+        return False
+    what = "optimizer, sampler and residual" if restored.exact else "optimizer state only (rounds were committed since)"
+    log(f"site {site_id}: restored its round-{restored.round} checkpoint: {what}; θ hash matches: {restored.hash_matches}")
+    return restored.exact
+
+
+def _traffic(per_rank: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
+    """Bytes and outer-sync seconds (median per round of each part) of the site's ranks."""
+    return {
+        "ranks": ranks,
+        "bytes_up": sum(r["bytes_up"] for r in per_rank),
+        "bytes_down": sum(r["bytes_down"] for r in per_rank),
+        "bytes_up_per_rank": [r["bytes_up"] for r in per_rank],
+        "bytes_down_per_rank": [r["bytes_down"] for r in per_rank],
+        "sync_s_median_per_rank": [r["sync"] for r in per_rank],
+    }
+
+
+def _sync_record(sync: OuterSync) -> dict[str, Any]:
+    """What happened to the site's rounds: hashes, dropped and merged rounds, reconnects."""
+    return {
+        "rounds": len(sync.stats.round_hashes),
+        "round_sha256": {str(r): h for r, h in sorted(sync.stats.round_hashes.items())},
+        "dropped_rounds": sync.stats.dropped_rounds,
+        "merged_rounds": sync.stats.merged_rounds,
+        "rejoins": sync.stats.rejoins,
+        "reconnects": sync.stats.reconnects,
+    }
+
+
+def _eval_due(sync: OuterSync) -> bool:
+    """The coordinator asked the sites to evaluate θ after this round (every eval_every, and the last)."""
+    return sync.eval_every > 0 and (sync.round % sync.eval_every == 0 or sync.finished)
+
+
+def _median_times(timings: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in (timings[0] if timings else {}) if k != "round"]
+    return {k: round(statistics.median(t[k] for t in timings), 5) for k in keys}
+
+
+def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None] = print, hooks: SiteHooks | None = None) -> dict[str, Any]:
+    """Trains until the coordinator's last round; writes run_dir/workers/<site_id>.json.
+    ``hooks``: the simulation's fault injection (None in a real run)."""
+    torch.set_num_threads(cfg.threads)
+    shard = opts.data_shard(cfg.sites)
+    layout_cfg = cfg.layout_of(shard)
+    # A rank trains on cuda:LOCAL_RANK; a simulated one-rank site on the GPU the simulator gave it.
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", opts.gpu or 0)))
+    configure_cuda(device, cfg.tf32)
+    init_site_group(layout_cfg, device)  # under torchrun: one process per rank of this site
+    corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
+    # Every rank draws the site's whole batch (the same sampler) and trains on its share of it.
+    sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
+    # Built on the CPU from the seed (the same weights on every device), then moved.
+    layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed).to(device))
+    if not layout.leader:
+        log = _silent  # the site's leader rank speaks for it
+    if cfg.compile and layout.forward_backward is None:
+        layout.model.compile()  # in place: torch.compile(m) would rename every parameter "_orig_mod.…"
+    site = _Site(cfg, opts, run_dir, log, hooks, layout, sampler, corpus)
+    start = time.monotonic()
+    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s) as real_client:
+        client = hooks.wrap(real_client) if hooks else real_client
+        options = SyncOptions(
+            codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every
+        )
+        sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None)
+        try:
+            site_hash = site.train(sync, shard)
+        finally:
+            sync.close()
+    per_rank = layout.gather_objects({"bytes_up": sync.stats.bytes_up, "bytes_down": sync.stats.bytes_down, "sync": _median_times(sync.stats.timings)})
+    close_site_group()
+    if not layout.leader:
+        return {}
+    result = WorkerRecord(
+        site_id=opts.site_id,
+        shard=shard,
+        tokens=site.tokens,
+        inner_steps=site.trainer.steps_done,
+        layout=layout_cfg.name,
+        device=str(device),
+        **_traffic(per_rank, layout.world),
+        inner_step_s_median=round(statistics.median(site.step_s), 5) if site.step_s else None,
+        steps_per_round={str(r): n for r, n in sorted(site.steps_per_round.items())},
+        **_sync_record(sync),
+        incarnation=opts.incarnation,
+        global_sha256=site_hash,
+        wall_s=round(time.monotonic() - start, 3),
+        peak_rss_mb=peak_rss_mb(),
+    )
+    records.write(run_dir / "workers" / f"{opts.site_id}.json", result)
+    return records.to_dict(result)
+
+
+class _Site:
+    """One site process's rounds: inner phases, outer syncs, its checkpoints and evaluations."""
+
+    def __init__(self, cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None], hooks: SiteHooks | None, layout: Any, sampler: ShardSampler, corpus: Any) -> None:
+        self.cfg, self.opts, self.log, self.hooks = cfg, opts, log, hooks
+        self.layout, self.sampler, self.corpus = layout, sampler, corpus
+        self.trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps, layout=layout)
+        self.heldout: list | None = None  # the site's held-out batches, made the first time it evaluates
+        self.tokens = 0  # tokens of rounds this site synced
+        # Every token this process trains, counted as it goes (goodput: the simulator compares it
+        # with the tokens that made it into committed rounds); rewritten each step, so a killed
+        # site's count is at most one step behind.
+        self.progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
+        self.trained = 0
+        self.steps_per_round: dict[int, int] = {}  # inner steps this process ran per round (dynamic local steps)
+        self.step_s: list[float] = []  # wall time of every inner step
+
+    def train(self, sync: OuterSync, shard: int) -> str:
+        """Joins, trains every round, leaves; returns the hash of the site's whole θ."""
+        cfg, opts, log = self.cfg, self.opts, self.log
+        info = sync.join()
+        # A site that joins late (or again, after a crash) starts its lr schedule and its
+        # data where the run is; its inner optimizer state starts fresh.
+        self.trainer.steps_done = sync.round * cfg.sync_every
+        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation})")
+        # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
+        one_rank = self.layout.world == 1
+        checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
+        if not _restore(checkpointer, sync, opts.site_id, log):
+            self.sampler.skip(sync.round * cfg.sync_every)  # the data goes on where the run is
+        while not sync.finished:
+            losses = self.inner_phase(sync.round)
+            round_tokens = len(losses) * self.sampler.tokens_per_batch
+            self.steps_per_round[sync.round] = len(losses)
+            digest = sync.sync(tokens=round_tokens, train_loss=self.layout.mean(sum(losses) / len(losses)), inner_steps=len(losses))
+            self.tokens += round_tokens
+            # After a dropped round the site continues at the open round's place in the schedule.
+            self.trainer.steps_done = sync.round * cfg.sync_every
+            if checkpointer and not sync.finished:
+                checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
+            log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
+            if _eval_due(sync) and self.layout.forward_backward is None:
+                self.evaluate(sync)
+        # The hash of the whole θ: of this rank's copy, or (sharded sites) of the whole
+        # tensors gathered from the ranks once, at the end, only to verify it.
+        site_hash = sync.global_sha256() if one_rank else params_sha256(self.layout.full_state())
+        self.layout.barrier()
+        if self.layout.leader:
+            sync.leave(site_hash)
+        return site_hash
+
+    def inner_phase(self, round: int) -> list[float]:
+        """Up to H inner steps (fewer with inner_budget_s); their losses."""
+        cfg = self.cfg
+        losses: list[float] = []
+        phase_start = time.monotonic()
+        for step in range(cfg.sync_every):
+            t0 = time.monotonic()
+            losses.append(self.trainer.step(*self.layout.batch(*self.sampler.next_batch())))
+            self.step_s.append(time.monotonic() - t0)
+            self.trained += self.sampler.tokens_per_batch
+            if self.layout.leader:
+                write_json_atomic(self.progress, records.to_dict(ProgressRecord(tokens=self.trained)), fsync=False)
+            if self.hooks:
+                self.hooks.after_step(round, step, cfg.sync_every, time.monotonic() - t0)
+            if cfg.inner_budget_s is not None and time.monotonic() - phase_start >= cfg.inner_budget_s:
+                break  # dynamic local steps: a slow site sends fewer steps, weighted by its tokens
+        return losses
+
+    def evaluate(self, sync: OuterSync) -> None:
+        """Evaluation by sites: the global θ the model now holds, on this site's own held-out data."""
+        cfg = self.cfg
+        if self.heldout is None:
+            self.heldout = eval_batches(self.corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
+        loss, count = evaluate_loss(self.layout.model, self.heldout)
+        sync.report_eval(sync.round - 1, loss, count)

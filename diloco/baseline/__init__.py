@@ -1,1 +1,0 @@
-"""Baselines measured with the same tool and output format as DiLoCo: ddp and single."""

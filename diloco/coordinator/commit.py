@@ -1,0 +1,150 @@
+"""Closing a round: the guard's verdict, the outer step with the downlink's encoding, and the
+round's record. Functions of their arguments (the outer optimizer and the downlink's error
+feedback are the state they move), called by the coordinator under its lock."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco.codec import Codec, is_lossless
+from diloco.coordinator.guard import SpikeGuard
+from diloco.coordinator.round_state import RoundState
+from diloco.outer import ErrorFeedback, OuterOptimizer, params_sha256
+from diloco.types import Chunk, PushHeader, TensorSpec
+from diloco.wire import ChunkAssembler, encode_chunks
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one committed round; handed to ``on_commit`` listeners."""
+
+    round: int
+    participants: list[str]
+    tokens: int
+    inner_steps: int
+    bytes_up: int
+    train_loss: float | None
+    update_norm: float
+    global_sha256: str
+    wall_s: float  # from the round's opening (previous commit or start) to its commit
+    elapsed_s: float  # from coordinator start to this commit
+    params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    delta_norm: float = 0.0  # of the participants' weighted mean Δ (what the guard judges)
+    rejected: bool = False  # the guard rejected the round: θ did not move
+    guard: str | None = None  # the guard's figures when it rejected the round
+    absent: list[str] = field(default_factory=list)  # active sites that did not push this round
+    merged: list[dict[str, Any]] = field(default_factory=list)  # late pushes merged in: site, round, weight factor, tokens
+    evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
+    # sharded sites' pushes: site -> per part {part, whole: tensors sent whole, sliced: tensors sent as slices, numel}
+    sliced: dict[str, list[dict[str, int]]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the θ snapshot (kept in checkpoints, to rewrite lost metrics lines)."""
+        return {k: v for k, v in self.__dict__.items() if k != "params"}
+
+
+@dataclass(frozen=True)
+class UpdateEncoder:
+    """How an update goes down: its codec, its chunk size, and (lossy codecs) its error feedback."""
+
+    codec: Codec
+    specs: Mapping[str, TensorSpec]
+    chunk_bytes: int
+    feedback: ErrorFeedback | None
+
+    @staticmethod
+    def of(codec: Codec, specs: Mapping[str, TensorSpec], chunk_bytes: int, error_feedback: bool) -> UpdateEncoder:
+        return UpdateEncoder(codec, specs, chunk_bytes, ErrorFeedback() if error_feedback and not is_lossless(codec.name) else None)
+
+    def encode(self, update: Mapping[str, torch.Tensor]) -> list[Chunk]:
+        return list(encode_chunks(update, codec=self.codec, chunk_bytes=self.chunk_bytes))
+
+    def transmit(self, proposed: dict[str, torch.Tensor], sink: Callable[[list[Chunk]], None]) -> dict[str, torch.Tensor]:
+        """Encodes the update once (handed to ``sink``) and returns it decoded, exactly as every
+        site will decode it. The encoding error goes into the next round's update (server-side
+        error feedback), so a lossy downlink loses nothing over time."""
+        if self.feedback is not None:
+            proposed = self.feedback.compensate(proposed)
+        chunks = self.encode(proposed)
+        assembler = ChunkAssembler(self.specs)
+        for c in chunks:
+            assembler.add(c)
+        sent = assembler.finish()
+        if self.feedback is not None:
+            self.feedback.carry(ErrorFeedback.error(proposed, sent))
+        sink(chunks)
+        return sent
+
+
+@dataclass(frozen=True)
+class Closing:
+    """Who is in a closing round, and the times its record needs."""
+
+    active: frozenset[str]
+    now: float
+    started: float  # the coordinator's start (elapsed_s counts from it)
+    snapshot: bool  # attach a copy of θ to the record
+
+
+def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder: UpdateEncoder, closing: Closing) -> tuple[RoundRecord, list[Chunk]]:
+    """Applies the round: the guard judges the participants' mean Δ; if accepted, the outer
+    optimizer steps (its update encoded once for the sites), else θ stays and the sites get a
+    zero update. Returns the round's record and its encoded update."""
+    r = state.number
+    mean = state.acc.mean()
+    verdict = guard.judge(norm(mean))
+    sent: list[list[Chunk]] = []
+    if verdict.accepted:
+        update = outer.step(mean, transmit=lambda u: encoder.transmit(u, sent.append))
+    else:
+        # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
+        update = {n: torch.zeros_like(p) for n, p in outer.params.items()}
+        sent.append(encoder.encode(update))
+    pushed = sorted(state.pushes)
+    headers = [state.pushes[s] for s in pushed]
+    record = RoundRecord(
+        round=r,
+        participants=pushed,
+        tokens=sum(h.tokens for h in headers),
+        inner_steps=sum(h.inner_steps for h in headers),
+        bytes_up=state.bytes_up,
+        train_loss=weighted_loss(headers),
+        update_norm=norm(update),
+        delta_norm=verdict.norm,
+        rejected=not verdict.accepted,
+        guard=None if verdict.accepted else verdict.describe(),
+        absent=sorted(closing.active - set(pushed)),
+        merged=list(state.merged),
+        sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
+        evicted=sorted(set(state.evicted)),
+        global_sha256=params_sha256(outer.params),
+        wall_s=closing.now - state.opened_at,
+        elapsed_s=closing.now - closing.started,
+        params={n: p.clone() for n, p in outer.params.items()} if closing.snapshot else None,
+    )
+    return record, sent[0]
+
+
+def describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:
+    """One part of a sharded push: how many tensors it sent whole, how many as slices, and
+    how many elements in all."""
+    whole = {c.name for c in chunks if c.box.is_whole(specs[c.name].shape)}
+    sliced = {c.name for c in chunks} - whole
+    return {"part": part, "whole": len(whole), "sliced": len(sliced), "numel": sum(c.numel for c in chunks)}
+
+
+def norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
+
+
+def weighted_loss(headers: list[PushHeader]) -> float | None:
+    """Token-weighted mean of the reported inner losses; sites that report none (NaN) are skipped."""
+    finite = [h for h in headers if math.isfinite(h.train_loss)]
+    if not finite:
+        return None
+    return sum(h.train_loss * h.tokens for h in finite) / sum(h.tokens for h in finite)

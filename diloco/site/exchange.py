@@ -1,0 +1,105 @@
+"""The protocol steps of one round, seen from a site: push Δ, wait for the commit, pull the
+update. Retries (with backoff) whatever failed because the coordinator could not be reached,
+starting again from the push: pushes are idempotent (a repeat of a counted push is answered
+"duplicate"), and a coordinator that restarted from its checkpoint has lost the pushes of
+its open round."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from diloco.boxes import Box
+from diloco.errors import RemoteError
+from diloco.site.outcome import APPLIED, RoundOutcome, refused_pull, refused_push
+from diloco.site.stats import SyncStats
+from diloco.transport import CoordinatorClient, retrying
+from diloco.types import Chunk, PushHeader
+
+
+class Assembler(Protocol):
+    payload_bytes: int
+
+    def add(self, chunk: Chunk) -> None: ...
+
+    def finish(self) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    wait_poll_s: float = 30.0  # one WaitRound call waits at most this long
+    round_timeout_s: float = 3600.0  # give up on a round not committed within this
+    reconnect_timeout_s: float = 300.0  # give up when the coordinator is unreachable this long
+
+
+def exchange(
+    client: CoordinatorClient,
+    header: PushHeader,
+    chunks: list[Chunk],
+    new_assembler: Callable[[], Assembler],
+    want: dict[str, Box] | None,
+    timeouts: Timeouts,
+    stats: SyncStats,
+    times: dict[str, float],
+    log: Callable[[str], None],
+) -> tuple[RoundOutcome, Assembler | None]:
+    """Push, wait, pull for round ``header.round``: (APPLIED, the pulled update) or the outcome
+    that catching up needs. Adds the seconds of each step to ``times``."""
+    site, r = header.site_id, header.round
+
+    def attempt() -> tuple[RoundOutcome, Assembler | None]:
+        t = time.perf_counter()
+        try:
+            result = client.push(header, iter(chunks))
+        except RemoteError as e:
+            outcome = refused_push(e)
+            if outcome is None:
+                raise
+            return outcome, None
+        finally:
+            times["push_s"] += time.perf_counter() - t
+        stats.bytes_up += result.payload_bytes
+        if result.merged_into:
+            # Late, but merged into the open round (quorum.late=merge): it counted; go on from
+            # the open round's θ like a site whose push was dropped.
+            log(f"site {site}: round {r} push came late; merged into round {result.merged_into}")
+            return RoundOutcome(catch_up=True, merged=True), None
+        try:
+            t = time.perf_counter()
+            wait_committed(client, site, r, timeouts, log)
+            times["wait_s"] += time.perf_counter() - t
+            t = time.perf_counter()
+            assembler = new_assembler()
+            for c in client.pull_update(site, r, want):
+                assembler.add(c)
+            times["pull_s"] += time.perf_counter() - t
+        except RemoteError as e:
+            outcome = refused_pull(e)
+            if outcome is None:
+                raise
+            return outcome, None
+        return APPLIED, assembler
+
+    return retrying(attempt, limit_s=timeouts.reconnect_timeout_s, what=f"site {site} round {r}", log=log, on_retry=stats.retried)
+
+
+def wait_committed(client: CoordinatorClient, site: str, r: int, timeouts: Timeouts, log: Callable[[str], None]) -> None:
+    """Returns once round ``r`` is committed; RemoteError(round_timeout) after round_timeout_s."""
+    deadline = time.monotonic() + timeouts.round_timeout_s
+    while True:
+        status = client.wait_round(site, r, max(0.0, min(timeouts.wait_poll_s, deadline - time.monotonic())))
+        if status.committed_rounds > r:
+            return
+        if time.monotonic() >= deadline:
+            raise RemoteError("round_timeout", f"round {r} was not committed within {timeouts.round_timeout_s:.0f}s")
+        log(f"site {site}: waiting for round {r} to close")
+
+
+def assemble(chunks: Iterable[Chunk], assembler: Assembler) -> Assembler:
+    for c in chunks:
+        assembler.add(c)
+    return assembler

@@ -1,0 +1,29 @@
+"""What the gRPC server needs from the coordinator it serves: a structural type that
+``diloco.coordinator.Coordinator`` implements, so the transport depends on no coordinator code.
+Each method raises ``diloco.errors.CoordinatorError`` to refuse a call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from diloco.boxes import Box
+from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
+
+
+class CoordinatorService(Protocol):
+    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "") -> JoinInfo: ...
+
+    def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult: ...
+
+    def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult: ...
+
+    def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus: ...
+
+    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]: ...
+
+    def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]: ...
+
+    def heartbeat(self, site_id: str) -> RoundStatus: ...
+
+    def leave(self, site_id: str, global_sha256: str, eval: SiteEval | None = None) -> None: ...
