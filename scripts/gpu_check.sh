@@ -11,7 +11,7 @@
 #                 + the diloco-sim script; where that fails, a symlink farm on PYTHONPATH instead
 #   import_check  diloco and its hydra configs load (diloco-sim --cfg job)
 #   env           python, torch, CUDA, the GPU, package versions
-#   pytest        tests/test_cuda.py
+#   pytest        tests/e2e/test_cuda.py
 #   bench_base_bf16          scripts/bench_mfu.py: model=base, cuda, bf16, with --memory and --sync
 #   bench_base_bf16_compile  the same with --compile (MFU only)
 #   bench_small_cpu_fp32     model=small on the CPU in fp32
@@ -21,7 +21,7 @@
 #
 # Without a GPU (to try it on a CPU machine): GPU_CHECK_ALLOW_CPU=1 skips the CUDA benches;
 # GPU_CHECK_ALLOW_CPU=standin runs them as small CPU stand-ins instead (model=tiny, few steps)
-# and runs tests/test_cuda.py in its CPU dry mode. GPU_CHECK_PYTHON picks the interpreter
+# and runs tests/e2e/test_cuda.py in its CPU dry mode. GPU_CHECK_PYTHON picks the interpreter
 # (default python3), GPU_CHECK_WHEELS the wheel folder (default .whl), GPU_CHECK_SITE the
 # target of their install (default /tmp/site), GPU_CHECK_NO_INSTALL=1 skips pip install -e .
 set -u
@@ -274,9 +274,9 @@ step env 60 "$PY" "$WORK/env.py" "$WORK/env.json"
 pytest_args=(-q -p no:cacheprovider -rA --junitxml="$WORK/pytest.xml")
 "$PY" -c "import pytest_timeout" 2>/dev/null || pytest_args+=(-p no:timeout)
 if [ "$MODE" = standin ]; then
-    step pytest 240 env DILOCO_TEST_CUDA_ON_CPU=1 "$PY" -m pytest "${pytest_args[@]}" tests/test_cuda.py
+    step pytest 240 env DILOCO_TEST_CUDA_ON_CPU=1 "$PY" -m pytest "${pytest_args[@]}" tests/e2e/test_cuda.py
 else
-    step pytest 240 "$PY" -m pytest "${pytest_args[@]}" tests/test_cuda.py
+    step pytest 240 "$PY" -m pytest "${pytest_args[@]}" tests/e2e/test_cuda.py
 fi
 
 # ---- (iii) the benchmarks ---------------------------------------------------------------------

@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# Sets up .venv (with the dev extras) if needed and runs the whole test suite.
+# Sets up .venv (with the dev extras) if needed and runs the tests.
+#   scripts/test.sh          every tier: tests/unit, tests/integration, tests/e2e (CI's command)
+#   scripts/test.sh --quick  the unit and integration tiers (under 3 minutes on 2 cores)
+# Any other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh dev,hf,lightning  # the plug-ins' tests need both trainers
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration "$@"
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -154,7 +154,7 @@ class RunConfig:
         (fp32, fp16, bf16, int8), else int8 with the uplink's zstd setting (int4, e3m0,
         topk2bit). Every site starts its next inner phase from what the downlink delivers,
         so its error costs more than an uplink's, which averaging over sites dilutes
-        (docs/measured.md), and the outer update is dense, so sparsifying it again would move
+        (docs/results.md), and the outer update is dense, so sparsifying it again would move
         only a few percent of θ per round."""
         if self.codec_down is not None:
             return self.codec_down

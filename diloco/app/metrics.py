@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from diloco.coordinator.service import Coordinator, RoundRecord
-from diloco.app.records import MetricsLine, append_metrics, read_metrics
+from diloco.app.records import MetricsLine, append_metrics, metrics_rounds
 
 
 class MetricsReporter:
@@ -128,7 +128,7 @@ class MetricsReporter:
         if data and not data.endswith(b"\n"):
             with open(self.path, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
-        written = {line.round for line in read_metrics(self.path)}
+        written = metrics_rounds(self.path)
         last = max(written, default=-1)
         records = self._c.recent_records()
         for r in range(last + 1, self._c.committed_rounds):

@@ -89,6 +89,12 @@ def read_metrics(path: Path) -> list[MetricsLine]:
     return [from_dict(MetricsLine, d) for d in read_jsonl(path)]
 
 
+def metrics_rounds(path: Path) -> set[int]:
+    """The rounds a metrics.jsonl holds lines of (read leniently: the file a killed
+    coordinator left is being repaired)."""
+    return {int(d["round"]) for d in read_jsonl(path) if "round" in d}
+
+
 @dataclass
 class GlobalRecord:
     """The coordinator's report (ddp/single: rank 0's), written when it stops."""

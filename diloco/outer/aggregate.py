@@ -24,7 +24,7 @@ class WeightedMean:
     copy. For sparse codecs: a value that one site of four kept is otherwise divided by all
     four, although the others did not send a zero but a "not yet" (their error feedback
     still holds their share of it), so the step shrinks fourfold wherever the sites chose
-    different coordinates (docs/measured.md). For dense codecs it equals the mean except
+    different coordinates (docs/results.md). For dense codecs it equals the mean except
     where a Δ is exactly 0.
 
     Why float64: pushes arrive in any order and float32 addition is not associative, so a

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sim_e2e import Run, processes_of, run_ok
+from helpers import Run, processes_of, run_ok
 
 from diloco import checkpoint as ck
 from diloco.model import build_model, count_params, model_config

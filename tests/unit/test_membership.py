@@ -1,7 +1,7 @@
 """Leases with a fake clock: heartbeats keep a site in, silence evicts it, a rejoin takes it back."""
 
 import pytest
-from fakes import FakeClock
+from helpers import FakeClock
 
 from diloco.coordinator.membership import Membership
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUBS = ["diloco/transport/pb/coordinator_pb2.py", "diloco/transport/pb/coordinator_pb2_grpc.py"]
 
 

@@ -81,7 +81,9 @@ def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: P
     assert summary["codec"].startswith(name) and summary["hashes_equal"]
     if "recipe=sparse" in extra:  # the recipe reached the processes: the coordinator averaged over senders
         assert json.loads((tmp_path / "config.json").read_text())["aggregate"] == "nonzero"
-    for w in (tmp_path / "workers").glob("*.json"):
+    workers = sorted((tmp_path / "workers").glob("*.json"))
+    assert [w.stem for w in workers] == ["0", "1"]
+    for w in workers:
         assert json.loads(w.read_text())["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in metrics}
     # Each round's uplink is the encoded size: exactly the codec's formula (zstd: at most it),
     # and below 16 bits per value for every lossy codec.

@@ -30,7 +30,7 @@ from diloco.model import (
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MLP = "tests.user_models:mlp_lm"
 TINY_LLAMA = {
     "model_type": "llama",
@@ -267,11 +267,11 @@ def test_hydra_composes_each_kind() -> None:
     from diloco.cli.common import run_config
 
     with initialize_config_module("diloco.conf", version_base=None):
-        custom = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}", "model.kwargs={hidden:16,context:64}", "model.context=64"]), ("sim",))
-        bare = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}"]), ("sim",))
-        hf = run_config(compose("sim", overrides=["model=hf"]), ("sim",))
-        hf_wider = run_config(compose("sim", overrides=["model=hf", "model.config.hidden_size=128"]), ("sim",))
-        base = run_config(compose("sim", overrides=["model=base"]), ("sim",))
+        custom = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}", "model.kwargs={hidden:16,context:64}", "model.context=64"]), ("sim", "faults"))
+        bare = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}"]), ("sim", "faults"))
+        hf = run_config(compose("sim", overrides=["model=hf"]), ("sim", "faults"))
+        hf_wider = run_config(compose("sim", overrides=["model=hf", "model.config.hidden_size=128"]), ("sim", "faults"))
+        base = run_config(compose("sim", overrides=["model=base"]), ("sim", "faults"))
     assert custom.model == CustomModelConfig(factory=MLP, kwargs={"hidden": 16, "context": 64}, context=64)
     assert bare.model == CustomModelConfig(factory=MLP)
     assert isinstance(hf.model, HFModelConfig) and hf.model.config["model_type"] == "llama"

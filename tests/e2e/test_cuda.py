@@ -23,7 +23,7 @@ from diloco.site.inner import InnerConfig, InnerTrainer
 from diloco.site.exchange import Timeouts
 from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.transport import CoordinatorClient, serve
-from test_sim_e2e import run_sim
+from helpers import run_sim
 
 DRY = os.environ.get("DILOCO_TEST_CUDA_ON_CPU") == "1"
 DEVICE = "cpu" if DRY else "cuda"
@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not DRY and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = model_config("tiny", context=64, d_model=64, n_layers=2, n_heads=2, mlp_hidden=176)
 
 

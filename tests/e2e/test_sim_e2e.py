@@ -11,18 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import Run, kill_group, processes_of, run_ok, run_sim, sim_command
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CONTEXT = 128  # the tiny model's sequence length (conf/model/tiny.yaml -> diloco/model.py)
 FP32 = 4  # bytes per parameter of an fp32 payload
@@ -39,104 +36,10 @@ SUMMARY_KEYS = {
 }  # fmt: skip
 
 
-def _sim_command() -> list[str]:
-    """diloco-sim as installed (next to this Python, in .venv, or on PATH), else its module
-    (a machine where the project is importable but its console scripts are not installed)."""
-    for candidate in (Path(sys.executable).parent / "diloco-sim", ROOT / ".venv" / "bin" / "diloco-sim"):
-        if candidate.exists():
-            return [str(candidate)]
-    found = shutil.which("diloco-sim")
-    return [found] if found else [sys.executable, "-m", "diloco.cli.sim"]
-
-
-# ---- running the CLI -----------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    run_dir: Path
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def json(self, name: str) -> Any:
-        return json.loads((self.run_dir / name).read_text())
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        return self.json("summary.json")
-
-    @property
-    def metrics(self) -> list[dict[str, Any]]:
-        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
-
-    def workers(self) -> dict[str, dict[str, Any]]:
-        return {p.stem: json.loads(p.read_text()) for p in sorted((self.run_dir / "workers").glob("*.json"))}
-
-    def describe(self) -> str:
-        logs = ""
-        log_dir = self.run_dir / "logs"
-        if log_dir.is_dir():
-            for p in sorted(log_dir.glob("*.log")):
-                logs += f"\n--- {p.name} (tail)\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-        return f"rc={self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}{logs}"
-
-
-def _kill_group(popen: subprocess.Popen[Any]) -> None:
-    try:
-        os.killpg(popen.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
-    """Runs ``diloco-sim OVERRIDES hydra.run.dir=RUN_DIR`` to the end (or kills it on timeout)."""
-    run_dir = run_dir.resolve()
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [*_sim_command(), *overrides, f"hydra.run.dir={run_dir}"]
-    popen = subprocess.Popen(
-        cmd, cwd=run_dir.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(popen)
-        stdout, stderr = popen.communicate()
-        pytest.fail(f"diloco-sim {' '.join(overrides)} did not finish within {timeout}s\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    finally:
-        _kill_group(popen)  # nothing of the run may outlive it
-    return Run(run_dir, popen.returncode, stdout, stderr)
-
-
-def run_ok(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
-    run = run_sim(run_dir, *overrides, timeout=timeout)
-    assert run.returncode == 0, run.describe()
-    return run
-
-
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-# ---- /proc helpers (the site-death test) ---------------------------------------------
-
-
-def processes_of(run_dir: Path) -> dict[int, list[str]]:
-    """pid -> argv of every live process whose command line names ``run_dir``."""
-    needle = str(run_dir)
-    found: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            raw = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        argv = raw.decode(errors="replace").split("\0")
-        if any(needle in arg for arg in argv):
-            found[int(entry.name)] = argv
-    return found
 
 
 def _is_site_process(argv: list[str], site_id: str) -> bool:
@@ -412,7 +315,7 @@ def test_site_death_fails_run_and_cleans_up(tmp_path: Path) -> None:
     out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # Rounds of 150 inner steps take several seconds each, so the run is mid-round when we kill.
     cmd = [
-        *_sim_command(), "mode=diloco", "sites=2", "sync_every=150", "rounds=3", f"data.batch_size={BATCH}",
+        *sim_command(), "mode=diloco", "sites=2", "sync_every=150", "rounds=3", f"data.batch_size={BATCH}",
         "eval_every=3", "sim.timeout_s=150", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -443,7 +346,7 @@ def test_site_death_fails_run_and_cleans_up(tmp_path: Path) -> None:
         leftovers = processes_of(run_dir)
         assert not leftovers, f"processes of the run still alive after diloco-sim exited: {leftovers}"
     finally:
-        _kill_group(popen)
+        kill_group(popen)
         for pid in processes_of(run_dir):
             try:
                 os.kill(pid, signal.SIGKILL)

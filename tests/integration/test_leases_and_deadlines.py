@@ -5,7 +5,7 @@ evicted pushes are refused with a status that says so and change nothing; a rejo
 from collections.abc import Iterator
 
 import pytest
-from fakes import FakeClock
+from helpers import FakeClock
 import torch
 
 from diloco.codec import get_codec

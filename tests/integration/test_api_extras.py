@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from fakes import FakeClock
+from helpers import FakeClock
 
 from diloco.api import DiLoCo, RunFinished, RunFinishedWarning
 from diloco.codec import get_codec
@@ -205,7 +205,8 @@ def test_sync_settings_reach_outer_sync(error_feedback: bool) -> None:
             site = settings.join(build_model(MODEL, seed=0))
             try:
                 sync = site.sync
-                assert (sync.error_feedback, sync.error_feedback_decay, sync.round_timeout_s) == (error_feedback, 0.25, 9.0)
+                o = sync.options
+                assert (o.error_feedback, o.error_feedback_decay, o.timeouts.round_timeout_s) == (error_feedback, 0.25, 9.0)
             finally:
                 site.leave()
 

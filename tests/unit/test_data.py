@@ -171,8 +171,13 @@ def test_many_shards_fit_by_falling_back_to_small_blocks(tmp_path: Path) -> None
     path = tmp_path / "lines.txt"
     path.write_text(numbered_lines(2000))  # 24000 bytes
     corpus = load_corpus(DataConfig(path=str(path), heldout_every=2), CONTEXT, num_shards=300)
+    assert corpus.heldout.numel() > CONTEXT and corpus.train.numel() // 300 > CONTEXT  # small blocks: every shard fits a window
+    windows = []
     for shard in (0, 299):
-        ShardSampler(corpus.train, shard=shard, num_shards=300, batch_size=2, context=CONTEXT, seed=0)
+        x, y = ShardSampler(corpus.train, shard=shard, num_shards=300, batch_size=2, context=CONTEXT, seed=0).next_batch()
+        assert x.shape == y.shape == (2, CONTEXT) and torch.equal(x[:, 1:], y[:, :-1])
+        windows.append(x)
+    assert not torch.equal(windows[0], windows[1])  # the first and the last shard are different text
 
 
 @pytest.mark.parametrize(

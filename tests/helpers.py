@@ -1,0 +1,122 @@
+"""What tests of several tiers share: a fake clock, the repository root, and running
+diloco-sim as a user would (its console script, in its own process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeClock:
+    """A monotonic clock that moves only when a test sets ``t``."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sim_command() -> list[str]:
+    """diloco-sim as installed (next to this Python, in .venv, or on PATH), else its module
+    (a machine where the project is importable but its console scripts are not installed)."""
+    for candidate in (Path(sys.executable).parent / "diloco-sim", ROOT / ".venv" / "bin" / "diloco-sim"):
+        if candidate.exists():
+            return [str(candidate)]
+    found = shutil.which("diloco-sim")
+    return [found] if found else [sys.executable, "-m", "diloco.cli.sim"]
+
+
+# ---- running the CLI -----------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self, name: str) -> Any:
+        return json.loads((self.run_dir / name).read_text())
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.json("summary.json")
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        return {p.stem: json.loads(p.read_text()) for p in sorted((self.run_dir / "workers").glob("*.json"))}
+
+    def describe(self) -> str:
+        logs = ""
+        log_dir = self.run_dir / "logs"
+        if log_dir.is_dir():
+            for p in sorted(log_dir.glob("*.log")):
+                logs += f"\n--- {p.name} (tail)\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+        return f"rc={self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}{logs}"
+
+
+def kill_group(popen: subprocess.Popen[Any]) -> None:
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
+    """Runs ``diloco-sim OVERRIDES hydra.run.dir=RUN_DIR`` to the end (or kills it on timeout)."""
+    run_dir = run_dir.resolve()
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [*sim_command(), *overrides, f"hydra.run.dir={run_dir}"]
+    popen = subprocess.Popen(
+        cmd, cwd=run_dir.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(popen)
+        stdout, stderr = popen.communicate()
+        pytest.fail(f"diloco-sim {' '.join(overrides)} did not finish within {timeout}s\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    finally:
+        kill_group(popen)  # nothing of the run may outlive it
+    return Run(run_dir, popen.returncode, stdout, stderr)
+
+
+def run_ok(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
+    run = run_sim(run_dir, *overrides, timeout=timeout)
+    assert run.returncode == 0, run.describe()
+    return run
+
+
+def processes_of(run_dir: Path) -> dict[int, list[str]]:
+    """pid -> argv of every live process whose command line names ``run_dir``."""
+    needle = str(run_dir)
+    found: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        argv = raw.decode(errors="replace").split("\0")
+        if any(needle in arg for arg in argv):
+            found[int(entry.name)] = argv
+    return found
+
