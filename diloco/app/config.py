@@ -86,6 +86,13 @@ class RunConfig:
     tf32: bool = True  # CUDA: TensorFloat-32 for float32 matmuls and convolutions
 
     def __post_init__(self) -> None:
+        self._resolve_codecs()
+        self._check_values()
+        self._check_combinations()
+        self._resolve_layouts()
+
+    def _resolve_codecs(self) -> None:
+        """codec and codec_down as CodecConfigs; what the run leaves unset, the codec's best."""
         for field_name in ("codec", "codec_down"):
             value = getattr(self, field_name)
             if value is None and field_name == "codec_down":
@@ -99,14 +106,15 @@ class RunConfig:
         for name, value in best_settings(self.codec.name).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+
+    def _check_values(self) -> None:
+        """Each top-level field on its own (the sections check themselves)."""
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}: must be one of {', '.join(MODES)}")
         for name in ("sites", "sync_every", "rounds", "eval_every", "threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
-        if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
-            raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
         if self.inner_budget_s is not None and not (isinstance(self.inner_budget_s, (int, float)) and self.inner_budget_s > 0):
             raise ConfigError(f"inner_budget_s={self.inner_budget_s!r}: must be null or a number of seconds > 0")
         if not (isinstance(self.error_feedback_decay, (int, float)) and 0.0 <= self.error_feedback_decay <= 1.0):
@@ -122,13 +130,21 @@ class RunConfig:
         for name in ("compile", "tf32"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be true or false")
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+
+    def _check_combinations(self) -> None:
+        """Fields that are fine alone but cannot work together."""
+        if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
+            raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
         if self.init.source == "site" and self.eval_by == "coordinator":
             raise ConfigError("eval_by=coordinator: with init=site the coordinator does not know the model; use eval_by=auto or sites")
         if self.data.vocab > self.model.vocab_size:
             what = f"data.vocab_size={self.data.vocab}" if self.data.format == "tokens" else "256 (data.format=bytes)"
             raise ConfigError(f"model.vocab_size={self.model.vocab_size}: the model's embedding is smaller than the data's vocabulary, {what}: token ids would fall outside it")
-        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+
+    def _resolve_layouts(self) -> None:
+        """layout (and site_layouts) as LayoutConfigs, and what the model and θ₀ need of them."""
         try:
             object.__setattr__(self, "layout", layout_config(self.layout))
             if self.site_layouts is not None:

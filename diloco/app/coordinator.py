@@ -49,26 +49,7 @@ def run_coordinator(
     run_dir.mkdir(parents=True, exist_ok=True)
     theta0, source = initial_params(cfg)
     evaluate = coordinator_evaluator(cfg, theta0, log)
-    coordinator = Coordinator(
-        theta0,
-        cfg.outer,
-        CoordinatorConfig(
-            total_rounds=cfg.rounds,
-            min_sites=_min_sites(cfg, opts),
-            quorum=cfg.quorum,
-            codec_down=cfg.downlink_codec,
-            error_feedback_down=cfg.error_feedback,
-            aggregate=cfg.aggregate,
-            chunk_bytes=cfg.chunk_bytes,
-            snapshot_every=cfg.eval_every if evaluate is not None else 0,
-            checkpoint_dir=opts.checkpoint_dir,
-            sync_every=cfg.sync_every,
-            codec_up=cfg.codec.build().name,
-            init_source=source,
-            site_eval_every=cfg.eval_every if evaluate is None and cfg.eval_by != "coordinator" else 0,
-            guard=cfg.guard,
-        ),
-    )
+    coordinator = Coordinator(theta0, cfg.outer, coordinator_config(cfg, opts, source, evaluate is not None))
     if opts.checkpoint_dir:
         _resume(coordinator, Path(opts.checkpoint_dir), log)
     eval_by = "coordinator" if evaluate is not None else "sites"
@@ -85,13 +66,7 @@ def run_coordinator(
         log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
-        finished_at: float | None = None
-        while not coordinator.wait_all_left(timeout_s=0.5):
-            if coordinator.finished:
-                finished_at = finished_at or time.monotonic()
-                if time.monotonic() - finished_at > opts.linger_s:
-                    log(f"not every site left within {opts.linger_s:.0f}s after the last round; stopping anyway")
-                    break
+        _wait_until_done(coordinator, opts.linger_s, log)
         reporter.close()
         if reporter.final_eval_loss is None and coordinator.finished and evaluate is not None:
             # The last round was committed by a predecessor that was killed before evaluating.
@@ -115,6 +90,38 @@ def run_coordinator(
     records.write(run_dir / "global.json", result)
     log(f"coordinator done: {result.rounds_committed} rounds, global sha256 {result.global_sha256[:16]}")
     return records.to_dict(result)
+
+
+def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: str, evaluates: bool) -> CoordinatorConfig:
+    """The coordinator's part of the run config. ``evaluates``: the coordinator evaluates θ
+    (it keeps snapshots for it), else the sites are asked to (unless eval_by=coordinator)."""
+    return CoordinatorConfig(
+        total_rounds=cfg.rounds,
+        min_sites=_min_sites(cfg, opts),
+        quorum=cfg.quorum,
+        codec_down=cfg.downlink_codec,
+        error_feedback_down=cfg.error_feedback,
+        aggregate=str(cfg.aggregate),
+        chunk_bytes=cfg.chunk_bytes,
+        snapshot_every=cfg.eval_every if evaluates else 0,
+        checkpoint_dir=opts.checkpoint_dir,
+        sync_every=cfg.sync_every,
+        codec_up=cfg.codec.build().name,
+        init_source=init_source,
+        site_eval_every=cfg.eval_every if not evaluates and cfg.eval_by != "coordinator" else 0,
+        guard=cfg.guard,
+    )
+
+
+def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[str], None]) -> None:
+    """Until every site has left after the last round, or ``linger_s`` after it."""
+    finished_at: float | None = None
+    while not coordinator.wait_all_left(timeout_s=0.5):
+        if coordinator.finished:
+            finished_at = finished_at or time.monotonic()
+            if time.monotonic() - finished_at > linger_s:
+                log(f"not every site left within {linger_s:.0f}s after the last round; stopping anyway")
+                return
 
 
 def initial_params(cfg: RunConfig) -> tuple[dict[str, torch.Tensor] | None, str]:

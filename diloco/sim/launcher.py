@@ -90,6 +90,27 @@ def run_simulation(
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
     check_before_start(cfg)
     faults = faults if isinstance(faults, FaultsConfig) else sim_faults(faults, cfg)
+    config_path = _prepare_run_dir(cfg, run_dir, faults, resume)
+    procs: list[_Proc] = []
+    start = time.monotonic()
+    # SIGTERM must unwind through the finally below, which stops every child.
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    common = ["--config", str(config_path), "--run-dir", str(run_dir)]
+    try:
+        _start_processes(cfg, run_dir, common, procs, start, say)
+        _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=say)
+    finally:
+        _stop_all(procs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start)
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary
+
+
+def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume: bool) -> Path:
+    """Clears what a previous run left (or, resuming, checks it is this run's) and writes the
+    config and fault files every process reads; returns the config file."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     for stale in ("global.json", "summary.json", "coordinator.port.json"):
@@ -103,43 +124,35 @@ def run_simulation(
             shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     write_json_atomic(config_path, run_config_to_dict(cfg))
     write_json_atomic(run_dir / FAULTS_FILE, faults_to_dict(faults))
-    procs: list[_Proc] = []
-    start = time.monotonic()
-    # SIGTERM must unwind through the finally below, which stops every child.
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    return config_path
+
+
+def _start_processes(cfg: RunConfig, run_dir: Path, common: list[str], procs: list[_Proc], start: float, say: Callable[[str], None]) -> None:
+    """Starts the run's processes, appending each to ``procs`` as it starts (so that the caller
+    stops every one of them, whatever fails here)."""
     base = [sys.executable, "-m", "diloco.sim.child"]
-    common = ["--config", str(config_path), "--run-dir", str(run_dir)]
-    try:
-        if cfg.mode == "diloco":
-            port_file = run_dir / "coordinator.port.json"
-            # Checkpoints every round: a coordinator killed by a fault resumes from them.
-            coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator")]
-            procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
-            # The sites start at the same time (importing torch, building the model and the
-            # data take most of a start) and connect once the coordinator's port file exists.
-            for s in range(cfg.sites):
-                ranks = cfg.layout_of(s).ranks
-                # A site of several ranks is a torchrun group, as in a real run.
-                launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
-                site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
-                procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir)))
-            port = _wait_port(port_file, procs[0], deadline=start + 120)
-            procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
-            say(f"coordinator on 127.0.0.1:{port}; {cfg.sites} site(s) started")
-        else:
-            init_file = run_dir / "pg_init"
-            init_file.unlink(missing_ok=True)
-            for rank in range(cfg.workers):
-                args = ["worker", *common, "--rank", str(rank), "--world-size", str(cfg.workers), "--init-file", str(init_file)]
-                procs.append(_start(f"rank {rank}", base + args, run_dir))
-        _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=say)
-    finally:
-        _stop_all(procs)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start)
-    write_json_atomic(run_dir / "summary.json", summary)
-    return summary
+    if cfg.mode == "diloco":
+        port_file = run_dir / "coordinator.port.json"
+        # Checkpoints every round: a coordinator killed by a fault resumes from them.
+        coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator")]
+        procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
+        # The sites start at the same time (importing torch, building the model and the
+        # data take most of a start) and connect once the coordinator's port file exists.
+        for s in range(cfg.sites):
+            ranks = cfg.layout_of(s).ranks
+            # A site of several ranks is a torchrun group, as in a real run.
+            launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
+            site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
+            procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir)))
+        port = _wait_port(port_file, procs[0], deadline=start + 120)
+        procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
+        say(f"coordinator on 127.0.0.1:{port}; {cfg.sites} site(s) started")
+    else:
+        init_file = run_dir / "pg_init"
+        init_file.unlink(missing_ok=True)
+        for rank in range(cfg.workers):
+            args = ["worker", *common, "--rank", str(rank), "--world-size", str(cfg.workers), "--init-file", str(init_file)]
+            procs.append(_start(f"rank {rank}", base + args, run_dir))
 
 
 def check_before_start(cfg: RunConfig) -> None:

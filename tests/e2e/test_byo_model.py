@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_ok
 import torch
 
 from diloco.app.config import ConfigError, InitConfig, RunConfig
@@ -33,8 +34,6 @@ from diloco.types import PushHeader
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
-from helpers import run_ok  # noqa: E402
 
 TINY = model_config("tiny", context=32, d_model=32, n_layers=1, n_heads=2, mlp_hidden=64)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diloco.outer import DelayedNesterov, ErrorFeedback, OuterConfig, OuterOptimizer, WeightedMean, pseudo_gradient  # noqa: F401
+from diloco.outer import ErrorFeedback, OuterConfig, OuterOptimizer, WeightedMean
 
 FIXTURE = Path(__file__).parent / "fixtures" / "outer_math.safetensors"
 SHAPES = {"w": torch.Size([5, 3]), "b": torch.Size([7])}
