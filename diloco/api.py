@@ -122,7 +122,8 @@ class DiLoCo:
 
     ``codec``, ``error_feedback`` (carry what a lossy codec dropped into the next push; no
     effect with the lossless ``fp32``), ``error_feedback_decay`` (β in [0, 1]: the share of
-    the last residual added) and ``round_timeout_s`` (how long a site waits for a round to
+    the last residual added; None: the codec's best, 0.8 for topk2bit, else 1) and
+    ``round_timeout_s`` (how long a site waits for a round to
     be committed before ``end_round`` raises) are the site's sync settings (see OuterSync).
 
     ``after_last_round``: what the ``with`` form's step hook does with an optimizer step

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quality import apply_override, parse_override  # noqa: E402
 
 from diloco.wire.chunks import encoded_bytes  # noqa: E402
-from diloco.app.config import RunConfig, run_config_from_dict, run_config_to_dict  # noqa: E402
+from diloco.app.config import RunConfig, run_config_defaults, run_config_from_dict, run_config_to_dict  # noqa: E402
 from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
 from diloco.sim.launcher import SimError, SimStopped, run_simulation  # noqa: E402
@@ -72,7 +72,7 @@ def build(args: argparse.Namespace, variant: str, seed: int, mode: str = "diloco
     name, _, flag = variant.partition(":")
     if flag not in ("", "noef"):
         raise SystemExit(f"variant {variant!r}: the only flag is ':noef'")
-    d = recipe_config(name) if name in RECIPES else run_config_to_dict(RunConfig())
+    d = recipe_config(name) if name in RECIPES else run_config_defaults()
     d.update(mode=mode, sites=args.sites, sync_every=args.sync_every, rounds=args.rounds, seed=seed)
     d["model"] = {"name": args.model}
     if name not in RECIPES:

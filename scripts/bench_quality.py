@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.app.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
+from diloco.app.config import ConfigError, RunConfig, run_config_defaults, run_config_from_dict
 from diloco.data import DataError
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimError, SimStopped, run_simulation
@@ -128,7 +128,7 @@ def apply_override(d: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def build_config(args: argparse.Namespace, mode: str, seed: int) -> RunConfig:
-    d = run_config_to_dict(RunConfig())
+    d = run_config_defaults()
     d.update(mode=mode, sites=args.sites, sync_every=args.sync_every, rounds=args.rounds, seed=seed)
     # Replace the whole model section: the defaults hold every field of the tiny preset, which
     # would otherwise override the sizes of another preset.

@@ -24,6 +24,7 @@ EVAL_BY = ("auto", "coordinator", "sites")
 DEVICES = ("auto", "cpu", "cuda")
 # Layouts that cut the built-in transformer's own modules (heads, MLP halves, pipeline stages).
 BUILTIN_ONLY_LAYOUTS = ("tp2", "tp2_fsdp2", "pp2")
+OUTER_FROM_CODEC = ("name", "lr", "momentum", "nesterov")  # outer fields the codec's best decides unless set
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
@@ -65,7 +66,7 @@ class RunConfig:
     model: AnyModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
+    outer: OuterConfig | None = None  # None: the codec's best (codec.best_settings; DiLoCo's Nesterov SGD for dense codecs)
     quorum: QuorumConfig = field(default_factory=QuorumConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)  # the coordinator's loss-spike guard
     codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
@@ -105,7 +106,7 @@ class RunConfig:
         # What the run leaves unset, the codec's measured best fills in.
         for name, value in best_settings(self.codec.name).items():
             if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+                object.__setattr__(self, name, OuterConfig(**value) if name == "outer" else value)  # type: ignore[arg-type]
 
     def _check_values(self) -> None:
         """Each top-level field on its own (the sections check themselves)."""
@@ -199,7 +200,7 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         model = model_config(str(model_d.pop("name", "tiny")), **model_d)
         data = _build(DataConfig, d.pop("data", {}), "data")
         inner = _build(InnerConfig, d.pop("inner", {}), "inner")
-        outer = _build(OuterConfig, d.pop("outer", {}), "outer")
+        outer = _outer_config(d.pop("outer", None), d.get("codec"))
         quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
         guard = _build(GuardConfig, d.pop("guard", {}), "guard")
         init = _build(InitConfig, d.pop("init", {}), "init")
@@ -209,6 +210,29 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _outer_config(values: Mapping[str, Any] | None, codec: Any) -> OuterConfig | None:
+    """The ``outer`` section: None when absent (the codec's best, resolved by RunConfig); its
+    null or missing fields are the codec's best (conf/run.yaml leaves name, lr, momentum and
+    nesterov null), the others as given."""
+    if values is None:
+        return None
+    try:
+        best = best_settings(codec_config(codec if codec is not None else CodecConfig()).name)["outer"]
+    except ValueError:
+        best = {}  # a bad codec: RunConfig names it
+    given = {k: v for k, v in dict(values).items() if v is not None}
+    return _build(OuterConfig, {**best, **given}, "outer")  # type: ignore[dict-item]
+
+
+def run_config_defaults() -> dict[str, Any]:
+    """The defaults as plain data, with what the codec decides left null (as in
+    conf/run.yaml): the base to put overrides on, so that ``codec=...`` still brings its best."""
+    d = run_config_to_dict(RunConfig())
+    d.update(aggregate=None, error_feedback_decay=None)
+    d["outer"].update({k: None for k in OUTER_FROM_CODEC})
+    return d
 
 
 def _build(cls: type, values: Mapping[str, Any] | None, prefix: str) -> Any:
@@ -224,5 +248,5 @@ def _build(cls: type, values: Mapping[str, Any] | None, prefix: str) -> Any:
 def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain, JSON-able data that run_config_from_dict turns back into ``cfg``."""
     out = dataclasses.asdict(cfg)
-    out["outer"]["kwargs"] = dict(cfg.outer.kwargs)
+    out["outer"]["kwargs"] = dict(cfg.outer.kwargs)  # type: ignore[union-attr]
     return out

@@ -48,17 +48,23 @@ def make_codec(name: str, *, block: int | None = None, density: float | None = N
 
 
 # The run settings each codec trains best with (measured: docs/results.md, "Codecs"), used
-# wherever a run leaves them unset: ``aggregate`` (the coordinator's mean of Δ) and
-# ``error_feedback_decay`` (β of the sites' error feedback). A sparse codec's Δ is "not yet"
-# where a site did not send a coordinate, not zero (so nonzero-aware averaging), and its
-# residual arrives stale (so a shorter memory). Dense codecs: the plain mean, β = 1.
-_BEST_SETTINGS: dict[str, dict[str, object]] = {"topk2bit": {"aggregate": "nonzero", "error_feedback_decay": 0.8}}
-_DENSE_SETTINGS: dict[str, object] = {"aggregate": "mean", "error_feedback_decay": 1.0}
+# wherever a run leaves them unset: ``aggregate`` (the coordinator's mean of Δ),
+# ``error_feedback_decay`` (β of the sites' error feedback) and ``outer`` (fields of the outer
+# optimizer; {}: OuterConfig's own defaults, DiLoCo's Nesterov SGD). A sparse codec's Δ is
+# "not yet" where a site did not send a coordinate, not zero (so nonzero-aware averaging), its
+# residual arrives stale (so a shorter memory), and the residual already carries momentum-like
+# memory (so a plain SGD outer step, as SparseLoCo). Dense codecs: the plain mean, β = 1.
+_BEST_SETTINGS: dict[str, dict[str, object]] = {
+    "topk2bit": {"aggregate": "nonzero", "error_feedback_decay": 0.8, "outer": {"name": "SGD", "lr": 1.25, "momentum": 0.0, "nesterov": False}},
+}
+_DENSE_SETTINGS: dict[str, object] = {"aggregate": "mean", "error_feedback_decay": 1.0, "outer": {}}
 
 
 def best_settings(name: str) -> dict[str, object]:
-    """{"aggregate", "error_feedback_decay"} a run with codec ``name`` (NAME or NAME+zstd) uses by default."""
-    return dict(_BEST_SETTINGS.get(name.removesuffix(ZSTD_SUFFIX), _DENSE_SETTINGS))
+    """{"aggregate", "error_feedback_decay", "outer"} a run with codec ``name`` (NAME or
+    NAME+zstd) uses where it does not set them."""
+    best = _BEST_SETTINGS.get(name.removesuffix(ZSTD_SUFFIX), _DENSE_SETTINGS)
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in best.items()}
 
 
 def is_lossless(name: str) -> bool:

@@ -484,14 +484,11 @@ class Coordinator:
         if pending is None:
             return None
         record = pending.record
-        try:
-            if pending.checkpoint is not None:
-                save_checkpoint(Path(str(self.cfg.checkpoint_dir)), record.round + 1, pending.checkpoint)
-        except BaseException:
-            with self._cv:
-                self._committing = False
-                self._cv.notify_all()
-            raise
+        if pending.checkpoint is not None:
+            # If this raises, θ has moved but the round cannot be published durably: the
+            # coordinator stays "committing" (it never takes the round's pushes twice) and its
+            # process must be restarted from the last good checkpoint.
+            save_checkpoint(Path(str(self.cfg.checkpoint_dir)), record.round + 1, pending.checkpoint)
         with self._cv:
             self._downlink.put_update(record.round, pending.update)
             self._hash = record.global_sha256

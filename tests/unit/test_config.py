@@ -132,11 +132,17 @@ def test_the_composed_hydra_defaults_are_the_dataclasses_defaults(config_name: s
     ("codec", "aggregate", "decay"), [("fp32", "mean", 1.0), ("int8", "mean", 1.0), ("e3m0+zstd", "mean", 1.0), ("topk2bit", "nonzero", 0.8), ("topk2bit+zstd", "nonzero", 0.8)]
 )
 def test_a_codec_brings_its_best_settings_unless_they_are_set(codec: str, aggregate: str, decay: float) -> None:
-    cfg = run_config_from_dict({"codec": codec})
-    assert (cfg.aggregate, cfg.error_feedback_decay) == (aggregate, decay)
-    mine = run_config_from_dict({"codec": codec, "aggregate": "mean", "error_feedback_decay": 0.5})
+    from diloco.app.config import run_config_defaults
+    from diloco.outer import OuterConfig
+
+    sparse = codec.startswith("topk2bit")
+    best_outer = OuterConfig(lr=1.25, momentum=0.0, nesterov=False) if sparse else OuterConfig()
+    for cfg in (run_config_from_dict({"codec": codec}), RunConfig(codec=codec), run_config_from_dict({**run_config_defaults(), "codec": codec})):
+        assert (cfg.aggregate, cfg.error_feedback_decay, cfg.outer) == (aggregate, decay, best_outer)
+        assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
+    mine = run_config_from_dict({"codec": codec, "aggregate": "mean", "error_feedback_decay": 0.5, "outer": {"lr": 0.5}})
     assert (mine.aggregate, mine.error_feedback_decay) == ("mean", 0.5)
-    assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
+    assert mine.outer == OuterConfig(**{**best_outer.__dict__, "lr": 0.5})  # the fields not given stay the codec's best
 
 
 def test_the_library_refuses_unknown_enum_values_as_the_config_does() -> None:
