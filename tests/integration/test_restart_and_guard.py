@@ -178,3 +178,48 @@ def test_a_push_later_than_max_staleness_is_dropped_even_with_merge(tmp_path: Pa
     coord.join("b", fingerprint(THETA).values())
     with pytest.raises(CoordinatorError, match="committed without site 'b'"):
         _push(coord, "b", 0)  # two rounds late
+
+
+def test_a_commit_is_published_only_after_its_checkpoint_and_the_write_holds_no_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the checkpoint of round 0 is being written, the coordinator still answers (heartbeats,
+    joins, waits), shows round 0 as open, and gives out no θ; once it is durable, round 0 is
+    published: it is on disk before any site can see it."""
+    import threading
+
+    from diloco.coordinator import service
+
+    writing, release = threading.Event(), threading.Event()
+    real_save = service.save_checkpoint
+
+    def slow_save(directory: Path, round: int, state: dict) -> Path:
+        if round == 1:
+            writing.set()
+            assert release.wait(30)
+        return real_save(directory, round, state)
+
+    monkeypatch.setattr(service, "save_checkpoint", slow_save)
+    coord = _coordinator(tmp_path)
+    assert _push(coord, "a", 0).accepted
+    closing = threading.Thread(target=_push, args=(coord, "b", 0))  # the last push: it commits round 0
+    closing.start()
+    try:
+        assert writing.wait(30)
+        # The lock is free while the checkpoint is written: these return at once, round 0 still open.
+        assert coord.heartbeat("a").committed_rounds == 0
+        assert coord.wait_round("a", 0, timeout_s=0.2).committed_rounds == 0
+        coord.join("c", fingerprint(THETA).values())
+        with pytest.raises(CoordinatorError, match="round 0 is not committed yet"):
+            coord.pull_update("a", 0)
+        assert ck.load_latest(tmp_path / "ck") is None or ck.load_latest(tmp_path / "ck").round == 0  # type: ignore[union-attr]
+        pulled: list[int] = []
+        puller = threading.Thread(target=lambda: pulled.append(coord.pull_global("c")[0].committed_rounds))
+        puller.start()
+        puller.join(0.5)
+        assert puller.is_alive() and not pulled  # θ is moving: a pull of it waits for the publication
+    finally:
+        release.set()
+        closing.join(30)
+    puller.join(30)
+    assert pulled == [1] and coord.committed_rounds == 1
+    loaded = ck.load_latest(tmp_path / "ck")
+    assert loaded is not None and loaded.round == 1 and loaded.state["global_sha256"] == coord.global_sha256()
