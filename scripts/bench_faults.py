@@ -124,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         if done.exists():
             summary = json.loads(done.read_text())
         else:
-            cfg = run_config_from_dict(scenario_config(name, args))
+            d = scenario_config(name, args)
+            faults = d.pop("faults", None)  # the simulation's own section, not the run's
+            cfg = run_config_from_dict(d)
             print(f"== {name}", flush=True)
             try:
-                summary = run_simulation(cfg, run_dir, timeout_s=7200, progress=None)
+                summary = run_simulation(cfg, run_dir, timeout_s=7200, progress=None, faults=faults)
             except SimStopped:
                 return 1
         results[name] = measure(run_dir, summary)
