@@ -6,7 +6,7 @@
 
 from typing import Any
 
-__all__ = ["DiLoCo", "RunFinished", "RunFinishedWarning"]
+__all__ = ["DiLoCo", "RunFinished", "RunFinishedWarning", "SecurityConfig"]
 
 
 def __getattr__(name: str) -> Any:

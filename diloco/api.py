@@ -1,7 +1,8 @@
 """DiLoCo for an existing PyTorch loop, in three added lines::
 
-    from diloco import DiLoCo
-    with DiLoCo(model, optimizer, coordinator="10.0.0.1:50051", site_id="eu-1", sync_every=100) as dl:
+    from diloco import DiLoCo, SecurityConfig
+    creds = SecurityConfig(dir="run-creds")  # what diloco-certs wrote for this site: ca.pem, sites/eu-1.*
+    with DiLoCo(model, optimizer, coordinator="coord.example.com:50051", site_id="eu-1", sync_every=100, security=creds) as dl:
         for x, y in loader:          # the user's loop, unchanged but for the marked lines
             loss = loss_fn(model(x), y); loss.backward()
             dl.record_loss(loss, tokens=x.numel())   # optional: the step's loss and tokens, BEFORE optimizer.step()
@@ -43,6 +44,7 @@ from torch import nn
 from diloco.codec import CodecConfig
 from diloco.site.exchange import Timeouts
 from diloco.site.outer_sync import OuterSync, SyncOptions
+from diloco.security.config import SecurityConfig
 from diloco.transport import CoordinatorClient
 
 AFTER_LAST_ROUND = ("warn", "raise")
@@ -136,6 +138,10 @@ class DiLoCo:
     The model is never moved: the global θ is loaded into its parameters in place, on
     whatever device they are.
 
+    ``security``: the run's credentials (``SecurityConfig(dir=...)``: TLS with the site's
+    certificate and token). Without it the channel is plaintext, which is refused off
+    loopback unless ``SecurityConfig(insecure=True)`` says so.
+
     ``optimizer`` is needed only for the ``with`` form (its post-step hook counts the
     steps); without it, call ``join()``, ``after_step()`` and ``leave()`` yourself.
     """
@@ -155,6 +161,7 @@ class DiLoCo:
         round_timeout_s: float = 3600.0,
         after_last_round: str = "warn",
         connect_timeout_s: float = 120.0,
+        security: SecurityConfig | None = None,
     ) -> None:
         check_site_args(site_id, sync_every, tokens_per_step)
         check_sync_args(error_feedback, error_feedback_decay, round_timeout_s)
@@ -165,7 +172,7 @@ class DiLoCo:
         self.sync_every = sync_every
         self.tokens_per_step = tokens_per_step
         self.after_last_round = after_last_round
-        self._client = CoordinatorClient(coordinator, connect_timeout_s=connect_timeout_s)
+        self._client = CoordinatorClient(coordinator, connect_timeout_s=connect_timeout_s, security=security, site_id=str(site_id))
         options = SyncOptions(
             codec=codec, error_feedback=error_feedback, error_feedback_decay=None if error_feedback_decay is None else float(error_feedback_decay), timeouts=Timeouts(round_timeout_s=float(round_timeout_s)),
             sync_every=sync_every,  # the coordinator refuses a site whose H is not the run's

@@ -6,7 +6,11 @@ Kinds:
 * ``invalid_argument``: the request itself is wrong (a bad header, chunk or model);
 * ``failed_precondition``: not now, not from this caller (not a member, round not open);
 * ``not_found``: what was asked for is gone (an update older than the coordinator keeps);
-* ``unauthenticated``: the caller is not who it says;
+* ``unauthenticated``: the caller's credentials are missing or wrong;
+* ``permission_denied``: the caller may not do this (a site id it holds no credentials for,
+  or one this run was not configured with);
+* ``resource_exhausted``: the coordinator is busy (too many calls of this site, or every
+  staging buffer in use); retried like ``unavailable``;
 * ``out_of_range``: past the run's last round;
 * ``aborted``: the round closed without this push; pull θ and go on;
 * ``unavailable``: try again shortly (the coordinator is unreachable or restarting, or θ₀ is
@@ -19,9 +23,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-Kind = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range", "aborted", "unavailable", "round_timeout", "internal"]
+Kind = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "permission_denied", "resource_exhausted", "out_of_range", "aborted", "unavailable", "round_timeout", "internal"]
 KINDS: tuple[Kind, ...] = (
-    "invalid_argument", "failed_precondition", "not_found", "unauthenticated", "out_of_range", "aborted", "unavailable", "round_timeout", "internal",
+    "invalid_argument", "failed_precondition", "not_found", "unauthenticated", "permission_denied", "resource_exhausted", "out_of_range", "aborted", "unavailable", "round_timeout", "internal",
 )  # fmt: skip
 
 
@@ -46,4 +50,4 @@ class RemoteError(Exception):
     @property
     def retryable(self) -> bool:
         """The call may succeed if made again later (the coordinator was unreachable or busy)."""
-        return self.kind == "unavailable"
+        return self.kind in ("unavailable", "resource_exhausted")

@@ -79,6 +79,8 @@ class PushResult:
     round: int
     payload_bytes: int
     merged_into: int = 0  # > 0: a late push merged into that open round (quorum.late=merge)
+    refused: str = ""  # not empty: judged (robust.*) and not counted; why
+    clipped: str = ""  # not empty: counted scaled down (robust.action=clip); why
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
-from diloco.outer import OuterConfig, check_aggregate
+from diloco.outer import OuterConfig, RobustConfig, check_aggregate
+from diloco.security.config import SecurityConfig
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
 
@@ -69,6 +70,8 @@ class RunConfig:
     outer: OuterConfig | None = None  # None: the codec's best (codec.best_settings; DiLoCo's Nesterov SGD for dense codecs)
     quorum: QuorumConfig = field(default_factory=QuorumConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)  # the coordinator's loss-spike guard
+    robust: RobustConfig = field(default_factory=RobustConfig)  # the coordinator's defences against poisoned or broken pushes
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # the run's credentials (TLS, mutual TLS, tokens)
     codec: CodecConfig = field(default_factory=CodecConfig)  # uplink (pseudo-gradient) encoding
     codec_down: CodecConfig | None = None  # downlink (update) encoding; None: the same as codec
     error_feedback: bool = True  # carry each lossy codec's error into the next round (both links)
@@ -138,6 +141,8 @@ class RunConfig:
         """Fields that are fine alone but cannot work together."""
         if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
             raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
+        if self.robust.aggregate != "mean" and self.aggregate == "nonzero":
+            raise ConfigError(f"robust.aggregate={self.robust.aggregate} cannot be combined with aggregate=nonzero (a coordinate-wise statistic has no 'sites that sent it')")
         if self.init.source == "site" and self.eval_by == "coordinator":
             raise ConfigError("eval_by=coordinator: with init=site the coordinator does not know the model; use eval_by=auto or sites")
         if self.data.vocab > self.model.vocab_size:
@@ -203,8 +208,12 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         outer = _outer_config(d.pop("outer", None), d.get("codec"))
         quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
         guard = _build(GuardConfig, d.pop("guard", {}), "guard")
+        robust = _build(RobustConfig, d.pop("robust", {}), "robust")
+        security = _build(SecurityConfig, d.pop("security", {}), "security")
         init = _build(InitConfig, d.pop("init", {}), "init")
-        sections = {"model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "init": init}
+        sections = {
+            "model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "robust": robust, "security": security, "init": init,
+        }  # fmt: skip
         return _build(RunConfig, {**d, **sections}, "")
     except ConfigError:
         raise

@@ -4,7 +4,9 @@ server, metrics with evaluation where it can be done, a final report."""
 from __future__ import annotations
 
 import math
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,8 @@ from diloco.data import DataError, eval_batches, load_corpus
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.site.inner import evaluate_loss
-from diloco.transport import serve
+from diloco.security.store import RunCredentials
+from diloco.transport import ServerLimits, serve
 
 Evaluate = Callable[[dict[str, torch.Tensor]], float]
 
@@ -33,10 +36,14 @@ Evaluate = Callable[[dict[str, torch.Tensor]], float]
 class CoordinatorOptions:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (written to port_file)
-    min_sites: int | None = None  # sites a round waits for; default: RunConfig.sites
+    min_sites: int | None = None  # sites a round waits for; default: quorum.min_sites, else a majority of the sites
     linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
     port_file: str | None = None
     checkpoint_dir: str | None = None  # checkpoint every round there; resume from it on start
+    max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
+    max_rpcs: int = 128  # concurrent calls in all; more are refused at once (the caller retries)
+    max_rpcs_per_site: int = 32  # concurrent calls naming one site id
+    stream_idle_s: float = 30.0  # a push or pull that moves no message this long is cancelled
 
 
 def run_coordinator(
@@ -56,9 +63,17 @@ def run_coordinator(
     reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log)
     coordinator.on_commit.append(reporter.submit)
     coordinator.on_init.append(lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params, sha256 {coordinator.global_sha256()[:16]}"))
+    failed = threading.Event()
+
+    def fatal(what: str, e: BaseException) -> None:
+        log(f"coordinator failed: {what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
+        failed.set()
+
+    coordinator.on_fatal.append(fatal)
     if attach is not None:
         attach(coordinator)
-    server, port = serve(coordinator, opts.host, opts.port)
+    limits = ServerLimits(max_rpcs=opts.max_rpcs, max_rpcs_per_site=opts.max_rpcs_per_site, stream_idle_s=opts.stream_idle_s)
+    server, port = serve(coordinator, opts.host, opts.port, security=cfg.security, limits=limits)
     stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
     try:
@@ -66,7 +81,7 @@ def run_coordinator(
         log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
-        _wait_until_done(coordinator, opts.linger_s, log)
+        _wait_until_done(coordinator, opts.linger_s, log, failed)
         reporter.close()
         if reporter.final_eval_loss is None and coordinator.finished and evaluate is not None:
             # The last round was committed by a predecessor that was killed before evaluating.
@@ -86,6 +101,7 @@ def run_coordinator(
         wall_s=round(time.monotonic() - start, 3),
         port=port,
         peak_rss_mb=peak_rss_mb(),
+        refused_pushes=coordinator.refusals() or None,
     )
     records.write(run_dir / "global.json", result)
     log(f"coordinator done: {result.rounds_committed} rounds, global sha256 {result.global_sha256[:16]}")
@@ -110,13 +126,32 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
         init_source=init_source,
         site_eval_every=cfg.eval_every if not evaluates and cfg.eval_by != "coordinator" else 0,
         guard=cfg.guard,
+        robust=cfg.robust,
+        sites=_issued_sites(cfg),
+        max_sites=cfg.sites,
+        max_tokens_per_push=opts.max_tokens_per_push,
     )
 
 
-def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[str], None]) -> None:
-    """Until every site has left after the last round, or ``linger_s`` after it."""
+def _issued_sites(cfg: RunConfig) -> tuple[str, ...] | None:
+    """The site ids this run issued credentials for (only they may join); None without credentials."""
+    if cfg.security.dir is None:
+        return None
+    return tuple(sorted(RunCredentials.at(cfg.security.dir).token_table().sites))
+
+
+class CoordinatorFailed(RuntimeError):
+    """A commit could not be made durable, or a background thread broke: the process must exit
+    non-zero so that its supervisor restarts it from the last checkpoint."""
+
+
+def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[str], None], failed: threading.Event) -> None:
+    """Until every site has left after the last round, or ``linger_s`` after it; raises
+    CoordinatorFailed as soon as the coordinator has failed."""
     finished_at: float | None = None
     while not coordinator.wait_all_left(timeout_s=0.5):
+        if failed.is_set():
+            raise CoordinatorFailed(str(coordinator.failed))
         if coordinator.finished:
             finished_at = finished_at or time.monotonic()
             if time.monotonic() - finished_at > linger_s:
@@ -183,4 +218,10 @@ def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None
 
 
 def _min_sites(cfg: RunConfig, opts: CoordinatorOptions) -> int:
-    return opts.min_sites or cfg.quorum.min_sites or cfg.sites
+    """The quorum: as configured, else a majority of the sites, so that a run goes on without
+    a site that died (once its lease ends) as long as most sites are alive."""
+    return opts.min_sites or cfg.quorum.min_sites or majority(cfg.sites)
+
+
+def majority(sites: int) -> int:
+    return sites // 2 + 1

@@ -91,7 +91,15 @@ class MetricsReporter:
             eval_bpb = line.eval_bpb
             shown = f"{eval_bpb:.4f}" if eval_bpb is not None else f"{eval_loss:.4f} nats/token" if eval_loss is not None else "-"
             verdict = f" REJECTED: {record.guard}" if record.rejected else ""
+            for r in record.refused:
+                verdict += f"; push of site {r['site']} not counted: {r['why']}"
+            for r in record.clipped:
+                verdict += f"; push of site {r['site']} clipped: {r['why']}"
             self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}{verdict}")
+            counts = self._c.refusals()
+            for site in sorted({r["site"] for r in record.refused}):
+                if counts.get(site, 0) >= 2:
+                    self._log(f"site {site}: {counts[site]} of its pushes refused so far (robust.norm_ratio); it may be broken or hostile")
 
     def _line(self, rec: dict, *, eval_loss: float | None, bytes_down: int | None, recovered: bool = False) -> MetricsLine:
         return MetricsLine(
@@ -118,6 +126,8 @@ class MetricsReporter:
             wall_s=round(rec["wall_s"], 4),
             elapsed_s=round(rec["elapsed_s"], 4),
             recovered=True if recovered else None,
+            refused=rec.get("refused") or None,
+            clipped=rec.get("clipped") or None,
         )
 
     def _recover(self) -> None:

@@ -60,8 +60,8 @@ class MetricsLine:
     evicted: list[str] = _f("sites whose lease ran out while the round was open")
     late: list[dict[str, Any]] = _f("pushes refused while this round was open, for rounds committed without them: {site, round}")
     merged: list[dict[str, Any]] = _f("late pushes merged into this round (quorum.late=merge): {site, round, weight, tokens}")
-    rejected: bool = _f("the loss-spike guard rejected the round: θ did not move")
-    guard: str | None = _f("the guard's figures when it rejected the round")
+    rejected: bool = _f("the round was rejected (the loss-spike guard, or a mean Δ or outer step that is not finite or absurd): θ did not move")
+    guard: str | None = _f("why the round was rejected, with the figures")
     tokens: int = _f("tokens of the participants' inner phases")
     inner_steps: int = _f("inner steps of the participants, summed")
     bytes_up: int = _f("payload bytes pushed into this round (pseudo-gradients)")
@@ -79,6 +79,8 @@ class MetricsLine:
     eval_sites: list[str] | None = _f("evaluation by sites: the sites whose loss was averaged", optional=True)
     eval_tokens: int | None = _f("evaluation by sites: held-out tokens behind eval_loss", optional=True)
     recovered: bool | None = _f("true: written by a restarted coordinator for a round its predecessor committed", optional=True)
+    refused: list[dict[str, Any]] | None = _f("pushes the norm bound refused (robust.norm_ratio): {site, round, norm, reference, why}", optional=True)
+    clipped: list[dict[str, Any]] | None = _f("pushes counted scaled down (robust.action=clip): {site, round, norm, reference, scale, why}", optional=True)
 
 
 def append_metrics(path: Path, line: MetricsLine) -> None:
@@ -110,6 +112,7 @@ class GlobalRecord:
     eval_by: str | None = _f("who evaluated θ: coordinator | sites; null in the baselines", default=None)
     site_reported_sha256: dict[str, str] | None = _f("site -> the θ hash it reported when it left", optional=True)
     port: int | None = _f("the port the coordinator listened on", optional=True)
+    refused_pushes: dict[str, int] | None = _f("site -> its pushes the norm bound refused over the run (robust.norm_ratio)", optional=True)
 
 
 @dataclass
@@ -158,7 +161,8 @@ class Summary:
     sync_every: int = _f("H")
     rounds: int = _f("rounds configured")
     rounds_committed: int = _f("rounds committed")
-    rounds_rejected: int = _f("rounds the guard rejected")
+    rounds_rejected: int = _f("rounds rejected (the guard, or a non-finite or absurd step)")
+    refused_pushes: dict[str, int] = _f("site -> its pushes the norm bound refused (robust.norm_ratio); a site named here more than once is suspect")
     faults_injected: list[dict[str, Any]] = _f("the fault events that fired (faults.jsonl)")
     goodput: float | None = _f("tokens in committed rounds / every token any site process trained")
     model: str = _f("model name")

@@ -143,7 +143,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         layout.model.compile()  # in place: torch.compile(m) would rename every parameter "_orig_mod.…"
     site = _Site(cfg, opts, run_dir, log, hooks, layout, sampler, corpus)
     start = time.monotonic()
-    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s) as real_client:
+    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id) as real_client:
         client = hooks.wrap(real_client) if hooks else real_client
         options = SyncOptions(
             codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every

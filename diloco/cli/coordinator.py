@@ -9,7 +9,7 @@ from diloco.checkpoint import CheckpointError
 from diloco.cli.common import fail, run_config, run_dir, section
 from diloco.app.config import ConfigError
 from diloco.coordinator.init_file import InitFileError
-from diloco.app.coordinator import CoordinatorOptions, run_coordinator
+from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
 from diloco.data import DataError
 from diloco.io import exit_process
 
@@ -29,6 +29,10 @@ def _main(cfg: DictConfig) -> None:
         fail(f"bad data: {e}")
     except CheckpointError as e:
         fail(f"bad checkpoint: {e}")
+    except CoordinatorFailed as e:
+        fail(f"the coordinator failed and must be restarted from its checkpoint: {e}", code=1)
+    except (FileNotFoundError, ValueError) as e:
+        fail(f"bad security setup: {e}")
 
 
 def main() -> None:

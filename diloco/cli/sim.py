@@ -24,7 +24,7 @@ def _main(cfg: DictConfig) -> None:
     print(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync_every} rounds={rc.rounds} -> {out}", flush=True)
     try:
         sim = section(cfg, "sim")
-        summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]), faults=faults)
+        summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]), faults=faults, credentials=bool(sim["credentials"]))
     except DataError as e:
         fail(f"bad data: {e}")
     except ConfigError as e:

@@ -14,7 +14,7 @@ import torch
 from diloco.codec import Codec, is_lossless
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.round_state import RoundState
-from diloco.outer import ErrorFeedback, OuterOptimizer, params_sha256
+from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, check_update, params_sha256
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import ChunkAssembler, encode_chunks
 
@@ -35,11 +35,13 @@ class RoundRecord:
     elapsed_s: float  # from coordinator start to this commit
     params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     delta_norm: float = 0.0  # of the participants' weighted mean Δ (what the guard judges)
-    rejected: bool = False  # the guard rejected the round: θ did not move
-    guard: str | None = None  # the guard's figures when it rejected the round
+    rejected: bool = False  # the round was rejected (the guard, or a mean Δ / outer step that is not finite or absurd): θ did not move
+    guard: str | None = None  # why it was rejected, with the figures
     absent: list[str] = field(default_factory=list)  # active sites that did not push this round
     merged: list[dict[str, Any]] = field(default_factory=list)  # late pushes merged in: site, round, weight factor, tokens
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
+    refused: list[dict[str, Any]] = field(default_factory=list)  # pushes judged and not counted (robust.*): site, round, norm, reference, why
+    clipped: list[dict[str, Any]] = field(default_factory=list)  # pushes counted scaled down (robust.action=clip): ..., scale
     # sharded sites' pushes: site -> per part {part, whole: tensors sent whole, sliced: tensors sent as slices, numel}
     sliced: dict[str, list[dict[str, int]]] = field(default_factory=dict)
 
@@ -75,6 +77,7 @@ class UpdateEncoder:
         for c in chunks:
             assembler.add(c)
         sent = assembler.finish()
+        check_update("update as sent", sent)
         if self.feedback is not None:
             self.feedback.carry(ErrorFeedback.error(proposed, sent))
         sink(chunks)
@@ -94,32 +97,46 @@ class Closing:
 def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder: UpdateEncoder, closing: Closing) -> tuple[RoundRecord, list[Chunk]]:
     """Applies the round: the guard judges the participants' mean Δ; if accepted, the outer
     optimizer steps (its update encoded once for the sites), else θ stays and the sites get a
-    zero update. Returns the round's record and its encoded update."""
+    zero update. Total: whatever the pushes held, it returns the round's record and its
+    encoded update; a mean Δ or an outer step that is not finite, or absurd, rejects the
+    round (θ, the optimizer state and the downlink residual stay as they were)."""
     r = state.number
-    mean = state.acc.mean()
-    verdict = guard.judge(norm(mean))
+    mean, refusal = _mean(state)
+    delta_norm = norm(mean) if mean is not None else math.nan
+    if refusal is None:
+        verdict = guard.judge(delta_norm)
+        refusal = None if verdict.accepted else verdict.describe()
     sent: list[list[Chunk]] = []
-    if verdict.accepted:
-        update = outer.step(mean, transmit=lambda u: encoder.transmit(u, sent.append))
-    else:
+    update = None
+    if refusal is None and mean is not None:
+        residual = encoder.feedback.residual if encoder.feedback is not None else None
+        try:
+            update = outer.step(mean, transmit=lambda u: encoder.transmit(u, sent.append))
+        except OuterStepRefused as e:
+            refusal = str(e)
+            if encoder.feedback is not None:
+                encoder.feedback.carry(residual)
+    if update is None:
         # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
         update = {n: torch.zeros_like(p) for n, p in outer.params.items()}
-        sent.append(encoder.encode(update))
+        sent[:] = [encoder.encode(update)]
     pushed = sorted(state.pushes)
     headers = [state.pushes[s] for s in pushed]
     record = RoundRecord(
         round=r,
         participants=pushed,
-        tokens=sum(h.tokens for h in headers),
+        tokens=sum(h.tokens for h in headers if state.counted(h.site_id)),
         inner_steps=sum(h.inner_steps for h in headers),
         bytes_up=state.bytes_up,
         train_loss=weighted_loss(headers),
         update_norm=norm(update),
-        delta_norm=verdict.norm,
-        rejected=not verdict.accepted,
-        guard=None if verdict.accepted else verdict.describe(),
+        delta_norm=delta_norm,
+        rejected=refusal is not None,
+        guard=refusal,
         absent=sorted(closing.active - set(pushed)),
         merged=list(state.merged),
+        refused=list(state.refused),
+        clipped=list(state.clipped),
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         global_sha256=params_sha256(outer.params),
@@ -128,6 +145,17 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
         params={n: p.clone() for n, p in outer.params.items()} if closing.snapshot else None,
     )
     return record, sent[0]
+
+
+def _mean(state: RoundState) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """The round's mean Δ, or why there is none that can be applied."""
+    try:
+        mean = state.acc.mean()
+    except (ValueError, RuntimeError) as e:
+        return None, f"no mean Δ: {e}"
+    if not all(bool(torch.isfinite(t).all()) for t in mean.values()):
+        return None, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
+    return mean, None
 
 
 def describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from diloco.codec import CodecConfig, codec_config
 from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig, RoundPolicy
-from diloco.outer import check_aggregate
+from diloco.outer import RobustConfig, check_aggregate
+from diloco.security.ids import check_site_id
 from diloco.wire import MAX_CHUNK_BYTES
 
 
@@ -26,13 +27,18 @@ class CoordinatorConfig:
     snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
     checkpoint_dir: str | None = None  # write an atomic checkpoint here after every commit, before publishing it
     guard: GuardConfig = field(default_factory=GuardConfig)  # the loss-spike guard (off by default)
+    robust: RobustConfig = field(default_factory=RobustConfig)  # defences against poisoned or broken pushes (off by default)
     sync_every: int | None = None  # the run's H: a site that says another one is refused at Join
     codec_up: str | None = None  # the uplink codec's wire name: a site that says another one is refused
     init_source: str = "the run's model config"  # where θ₀ comes from, named in Join refusals
     site_eval_every: int = 0  # evaluation by sites: they evaluate θ after every k-th round (0: the coordinator evaluates, or nobody)
+    sites: tuple[str, ...] | None = None  # the site ids that may join (those the run issued credentials for); None: any valid id, up to max_sites
+    max_sites: int | None = None  # sites=None: how many distinct site ids may join; None: no limit
+    max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
+    staging_timeout_s: float = 30.0  # a push waits this long for a staging buffer, then is told to retry (resource_exhausted)
 
     def __post_init__(self) -> None:
-        for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates"):
+        for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates", "max_tokens_per_push"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
@@ -40,6 +46,16 @@ class CoordinatorConfig:
             raise ValueError(f"quorum={self.quorum!r}: must be a QuorumConfig")
         object.__setattr__(self, "codec_down", codec_config(self.codec_down))
         check_aggregate(self.aggregate)
+        if self.robust.aggregate != "mean" and self.aggregate == "nonzero":
+            raise ValueError(f"robust.aggregate={self.robust.aggregate} cannot be combined with aggregate=nonzero")
+        if self.sites is not None:
+            object.__setattr__(self, "sites", tuple(check_site_id(s) for s in self.sites))
+            if not self.sites:
+                raise ValueError("sites=(): name at least one site id that may join")
+        if self.max_sites is not None and not (isinstance(self.max_sites, int) and self.max_sites >= 1):
+            raise ValueError(f"max_sites={self.max_sites!r}: must be null or an integer >= 1")
+        if not self.staging_timeout_s > 0:
+            raise ValueError(f"staging_timeout_s={self.staging_timeout_s}: must be > 0")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
 

@@ -11,8 +11,6 @@ import torch
 from diloco.boxes import Box
 from diloco.types import Chunk, PushHeader
 
-MAX_PARTS = 4096  # ranks per site
-
 
 @dataclass
 class _Pending:
@@ -29,14 +27,6 @@ class PartialPushes:
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], _Pending] = {}
-
-    @staticmethod
-    def check_header(h: PushHeader) -> str | None:
-        if not 1 <= h.parts <= MAX_PARTS:
-            return f"parts={h.parts}: must be in 1..{MAX_PARTS}"
-        if not 0 <= h.part < h.parts:
-            return f"part={h.part}: must be in 0..{h.parts - 1}"
-        return None
 
     def add(
         self, header: PushHeader, chunks: list[tuple[Chunk, torch.Tensor]], boxes: dict[str, list[Box]], payload: int

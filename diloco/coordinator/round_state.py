@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from diloco.outer import WeightedMean
+from diloco.outer import NormVerdict, RobustConfig, StackedAggregate, WeightedMean, make_aggregate
 from diloco.types import PushHeader
 
 
@@ -17,27 +17,50 @@ from diloco.types import PushHeader
 class RoundState:
     number: int
     opened_at: float  # the coordinator's clock when the round opened (previous commit or start)
-    acc: WeightedMean  # Σ w·Δ of the pushes (and merged late pushes) taken so far
+    acc: WeightedMean | StackedAggregate  # the pushes (and merged late pushes) counted so far
     pushes: dict[str, PushHeader] = field(default_factory=dict)  # site -> its push for this round
     pushed_at: dict[str, float] = field(default_factory=dict)  # site -> arrival time
     bytes_up: int = 0
     merged: list[dict[str, Any]] = field(default_factory=list)  # late pushes merged in: site, round, weight, tokens
     sliced: dict[str, list[dict[str, int]]] = field(default_factory=dict)  # what sharded sites' parts held
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
+    refused: list[dict[str, Any]] = field(default_factory=list)  # pushes judged and not counted (robust.*): site, round, figures
+    clipped: list[dict[str, Any]] = field(default_factory=list)  # pushes counted scaled down (robust.action=clip)
 
     @staticmethod
-    def open(number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str) -> RoundState:
-        return RoundState(number=number, opened_at=opened_at, acc=WeightedMean(shapes, aggregate))
+    def open(number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig) -> RoundState:
+        return RoundState(number=number, opened_at=opened_at, acc=make_aggregate(shapes, aggregate, robust))
 
-    def take(self, header: PushHeader, delta: Mapping[str, torch.Tensor], now: float, sliced: list[dict[str, int]] | None) -> None:
-        """A push for this round, weighted by its tokens."""
-        self.acc.add(delta, float(header.tokens))
+    def take(
+        self, header: PushHeader, delta: Mapping[str, torch.Tensor], now: float, sliced: list[dict[str, int]] | None, judged: NormVerdict | None = None
+    ) -> None:
+        """A push for this round, weighted by its tokens; as ``judged`` says (robust.*): counted,
+        counted scaled down (``delta`` is scaled in place), or not counted. A push that was not
+        counted still took part: the round does not wait for that site again."""
+        self._count(header, delta, float(header.tokens), judged)
         self.pushes[header.site_id] = header
         self.pushed_at[header.site_id] = now
         if sliced is not None:
             self.sliced[header.site_id] = sliced
 
-    def merge(self, header: PushHeader, delta: Mapping[str, torch.Tensor], factor: float) -> None:
+    def merge(self, header: PushHeader, delta: Mapping[str, torch.Tensor], factor: float, judged: NormVerdict | None = None) -> None:
         """A late push for an earlier round, weighted by its tokens × ``factor``."""
-        self.acc.add(delta, float(header.tokens) * factor)
-        self.merged.append({"site": header.site_id, "round": header.round, "weight": factor, "tokens": header.tokens})
+        if self._count(header, delta, float(header.tokens) * factor, judged):
+            self.merged.append({"site": header.site_id, "round": header.round, "weight": factor, "tokens": header.tokens})
+
+    def counted(self, site_id: str) -> bool:
+        """The site's push for this round is in the average (not refused)."""
+        return site_id in self.pushes and not any(r["site"] == site_id and r["round"] == self.number for r in self.refused)
+
+    def _count(self, header: PushHeader, delta: Mapping[str, torch.Tensor], weight: float, judged: NormVerdict | None) -> bool:
+        """Adds ``delta`` to the average as ``judged`` says; False when it was refused."""
+        what = {"site": header.site_id, "round": header.round}
+        if judged is not None and judged.action == "reject":
+            self.refused.append({**what, "norm": judged.norm, "reference": judged.reference, "why": judged.describe()})
+            return False
+        if judged is not None and judged.action == "clip":
+            for t in delta.values():
+                t.mul_(judged.scale)
+            self.clipped.append({**what, "norm": judged.norm, "reference": judged.reference, "scale": judged.scale, "why": judged.describe()})
+        self.acc.add(delta, weight)
+        return True

@@ -13,6 +13,7 @@ meanwhile; pushes for the closing round and pulls of θ wait for the publication
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder, commi
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.guard import SpikeGuard
+from diloco.coordinator.headers import HeaderBounds, header_problem
 from diloco.coordinator.init_source import InitElection, clip as _clip, decode_upload, upload_problem
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
@@ -38,7 +40,8 @@ from diloco.coordinator.round_state import RoundState
 from diloco.coordinator.site_evals import SiteEvals
 from diloco.coordinator.verdict import PushFacts, push_verdict
 from diloco.errors import CoordinatorError
-from diloco.outer import OuterConfig, OuterOptimizer, params_sha256
+from diloco.outer import NormBound, NormVerdict, OuterConfig, OuterOptimizer, delta_norm, params_sha256
+from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 from diloco.wire import ChunkAssembler, check_part, encode_chunks, fingerprint, mismatches
 
@@ -74,6 +77,12 @@ class Coordinator:
         self.on_init: list[Callable[[str], None]] = []  # called with who sent θ₀ (init=site)
         self.on_commit: list[Callable[[RoundRecord], None]] = []
         self.on_push: list[Callable[[int], None]] = []  # called with the round after each accepted push
+        # Called with what failed and the exception when a commit cannot be made durable or
+        # the ticker breaks: the coordinator then refuses every call (unavailable) and its
+        # process should exit non-zero, so that a supervisor restarts it from its checkpoint.
+        self.on_fatal: list[Callable[[str, BaseException], None]] = []
+        self.failed: str | None = None
+        self._bounds = HeaderBounds(total_rounds=cfg.total_rounds, max_tokens=cfg.max_tokens_per_push)
         self._cv = threading.Condition()
         self._members = Membership(cfg.quorum.lease_s, clock)
         self._left: dict[str, str] = {}  # site id -> the hash it reported when leaving
@@ -86,13 +95,15 @@ class Coordinator:
         self._hash = ""
         self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
         self._start = clock()
-        self._round = RoundState.open(0, self._start, {}, cfg.aggregate)
+        self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust)
         if params is not None:
             self._install(params, cfg.init_source)
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         for _ in range(cfg.max_concurrent_pushes):
             self._staging.put({})
         self._guard = SpikeGuard(cfg.guard)
+        self._bound = NormBound(cfg.robust)  # robust.norm_ratio: each push's Δ norm against recent ones
+        self._refusals: dict[str, int] = {}  # site -> its pushes refused by the bound, over the run
         # open round -> pushes refused while it was open, for rounds already closed without them
         self._late: dict[int, list[dict[str, Any]]] = {}
         self._records: dict[int, dict[str, Any]] = {}  # the last few rounds' RoundRecord.summary()
@@ -106,7 +117,7 @@ class Coordinator:
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._encoder = UpdateEncoder.of(self.cfg.codec_down.build(), self._specs, self.cfg.chunk_bytes, self.cfg.error_feedback_down)
         self._downlink = Downlink(self._specs, self.cfg.keep_updates)
-        self._round = RoundState.open(self._open, self._clock(), self._shapes, self.cfg.aggregate)
+        self._round = RoundState.open(self._open, self._clock(), self._shapes, self.cfg.aggregate, self.cfg.robust)
         self._hash = params_sha256(self._outer.params)
         self.init_from = source
         self._ready = True
@@ -171,11 +182,14 @@ class Coordinator:
         """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
         first site that can upload becomes its source (``JoinInfo.upload_init``); the others
         wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
-        if not site_id:
-            raise CoordinatorError("invalid_argument", "site_id must not be empty")
+        why = site_id_problem(site_id)
+        if why is not None:
+            raise CoordinatorError("invalid_argument", why)
         self._check_settings(site_id, sync_every, codec)
         specs = list(specs)
         with self._cv:
+            self._require_healthy()
+            self._require_admissible(site_id)
             give_up = time.monotonic() + JOIN_WAIT_S
             while not self._ready:
                 if can_upload:
@@ -194,10 +208,18 @@ class Coordinator:
             problems = mismatches(self._specs, specs)
             if problems:
                 raise CoordinatorError(
-                    "invalid_argument", f"model of site {site_id!r} does not match the coordinator's (θ₀ from {self.init_from}): " + "; ".join(problems)
+                    "invalid_argument", f"model of site {site_id!r} does not match the coordinator's (θ₀ from {self.init_from}): " + _clip("; ".join(problems), 2000)
                 )
             self._admit(site_id)
             return self._join_info()
+
+    def _require_admissible(self, site_id: str) -> None:
+        """Only the run's configured ids (or, without a list, up to ``max_sites`` ids) may join."""
+        if self.cfg.sites is not None and site_id not in self.cfg.sites:
+            raise CoordinatorError("permission_denied", f"site {site_id!r} is not one of this run's sites ({', '.join(self.cfg.sites)})")
+        known = self._members.known
+        if self.cfg.sites is None and self.cfg.max_sites is not None and site_id not in known and len(known) >= self.cfg.max_sites:
+            raise CoordinatorError("permission_denied", f"this run has {self.cfg.max_sites} site(s), all taken ({', '.join(sorted(known))}); site {site_id!r} may not join")
 
     def _admit(self, site_id: str) -> None:
         self._members.join(site_id)
@@ -225,8 +247,10 @@ class Coordinator:
         whole, float32, finite, sent lossless; all or nothing. A refused upload leaves θ₀ unset
         and the role to the next site that joins; an accepted one is checkpointed (round 0)
         before any site can pull it, so a restarted coordinator never asks again."""
+        self._check_header(header, "upload of θ₀")
         site = header.site_id
         with self._cv:
+            self._require_healthy()
             if self._ready:
                 raise CoordinatorError("failed_precondition", f"θ₀ is already set (from {self.init_from}); join again to pull it")
             why = self._election.start(site)
@@ -264,7 +288,13 @@ class Coordinator:
         return PushResult(accepted=True, duplicate=False, round=0, payload_bytes=payload_bytes)
 
     def leave(self, site_id: str, global_sha256: str, eval: SiteEval | None = None) -> None:
+        if global_sha256 and not (len(global_sha256) == 64 and all(c in "0123456789abcdef" for c in global_sha256)):
+            raise CoordinatorError("invalid_argument", f"global_sha256={quote(global_sha256)}: must be empty or 64 lowercase hex digits")
         with self._cv:
+            self._require_healthy()
+            why = site_id_problem(site_id)
+            if why is not None:
+                raise CoordinatorError("invalid_argument", why)
             if self._members.state(site_id) is None:
                 raise CoordinatorError("failed_precondition", self._members.why_not_active(site_id))
             if eval is not None:
@@ -309,7 +339,11 @@ class Coordinator:
 
         def loop() -> None:
             while not stop.wait(interval_s):
-                self.tick()
+                try:
+                    self.tick()
+                except BaseException as e:  # noqa: BLE001 - a dead ticker must never go unnoticed
+                    self._fail("the ticker", e)
+                    return
 
         thread = threading.Thread(target=loop, name="coordinator-ticker", daemon=True)
         thread.start()
@@ -320,12 +354,31 @@ class Coordinator:
 
         return stop_ticker
 
+    def _fail(self, what: str, e: BaseException) -> None:
+        """Marks the coordinator failed (every call is refused from now on) and tells the
+        ``on_fatal`` listeners; without listeners the exception propagates."""
+        with self._cv:
+            self.failed = self.failed or f"{what} failed: {type(e).__name__}: {_clip(str(e), 500)}"
+            self._cv.notify_all()
+        if not self.on_fatal:
+            raise e
+        for listener in self.on_fatal:
+            listener(what, e)
+
+    def _require_healthy(self) -> None:
+        if self.failed is not None:
+            raise CoordinatorError("unavailable", f"the coordinator has failed ({self.failed}) and must be restarted from its checkpoint; try again later")
+
     def _require_ready(self) -> None:
         if not self._ready:
             raise CoordinatorError("failed_precondition", "θ₀ is not set yet (init=site): the site chosen at Join must upload it first")
 
     def _require_member(self, site_id: str) -> None:
         """Every call of a site counts as a heartbeat; an unknown, evicted or departed site is refused."""
+        self._require_healthy()
+        why = site_id_problem(site_id)
+        if why is not None:
+            raise CoordinatorError("invalid_argument", why)
         try:
             self._members.renew(site_id)
         except KeyError as e:
@@ -333,12 +386,14 @@ class Coordinator:
 
     def _wait_published(self) -> None:
         """Under the lock: waits until no commit is between its computation and its publication."""
-        self._cv.wait_for(lambda: not self._committing)
+        self._cv.wait_for(lambda: not self._committing or self.failed is not None)
+        self._require_healthy()
 
     # ---- pushes ----------------------------------------------------------------------
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """Accepts one site's whole pseudo-gradient for one round, or nothing of it. A part of
         a sharded site's push (``header.parts > 1``) waits until every part has arrived."""
+        self._check_header(header, "push")
         if header.parts > 1:
             return self._push_part(header, chunks)
         with self._cv:
@@ -353,7 +408,12 @@ class Coordinator:
         """Decodes a whole push into a staging buffer, then adds it to the round (or merges it).
         ``chunks``: each with its values when they were decoded already (the parts of a sharded
         push: ``sliced`` is what they held, for the round's record, ``parts_payload`` their bytes)."""
-        staging = self._staging.get()
+        try:
+            staging = self._staging.get(timeout=self.cfg.staging_timeout_s)
+        except queue.Empty:
+            raise CoordinatorError(
+                "resource_exhausted", f"every staging buffer ({self.cfg.max_concurrent_pushes}) stayed busy for {self.cfg.staging_timeout_s:g} s; push again shortly"
+            ) from None
         try:
             assembler = ChunkAssembler(self._specs, out=staging)
             try:
@@ -363,19 +423,21 @@ class Coordinator:
             except CodecError as e:
                 raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} for round {header.round} rejected: {e}") from None
             payload = assembler.payload_bytes + parts_payload
+            size = delta_norm(delta)
             with self._cv:
                 # The round may have moved on while we decoded; check again before touching it.
                 verdict = self._check_push(header)
                 if verdict == "duplicate":
                     return _duplicate(header)
                 self._record_eval(header)
+                judged = self._judge(header.site_id, size)
                 merged_into = 0
                 if verdict == "merge":
-                    self._round.merge(header, delta, self.cfg.quorum.late_discount ** (self._open - header.round))
+                    self._round.merge(header, delta, self.cfg.quorum.late_discount ** (self._open - header.round), judged)
                     self._merged_done.add((header.site_id, header.round))
                     merged_into = self._open
                 else:
-                    self._round.take(header, delta, self._clock(), sliced)
+                    self._round.take(header, delta, self._clock(), sliced, judged)
                 self._round.bytes_up += payload
                 pending = self._maybe_commit()
         finally:
@@ -383,15 +445,30 @@ class Coordinator:
         for push_listener in self.on_push:
             push_listener(header.round)
         self._publish(pending)
-        return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=assembler.payload_bytes, merged_into=merged_into)
+        return PushResult(
+            accepted=True, duplicate=False, round=header.round, payload_bytes=assembler.payload_bytes, merged_into=merged_into,
+            refused=judged.describe() if judged.action == "reject" else "", clipped=judged.describe() if judged.action == "clip" else "",
+        )  # fmt: skip
+
+    def _judge(self, site_id: str, size: float) -> NormVerdict:
+        """Under the lock: robust.norm_ratio's verdict on a push's Δ norm (a non-finite norm is
+        always refused); the norm it is counted with joins the reference."""
+        judged = self._bound.judge(size)
+        if judged.taken_norm is not None:
+            self._bound.record(judged.taken_norm)
+        if judged.action == "reject":
+            self._refusals[site_id] = self._refusals.get(site_id, 0) + 1
+        return judged
+
+    def refusals(self) -> dict[str, int]:
+        """Site -> how many of its pushes the norm bound refused over the run."""
+        with self._cv:
+            return dict(sorted(self._refusals.items()))
 
     def _push_part(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """One rank's slices of a sharded site's push: checked and decoded now, and taken as one
         whole push (the slices must tile every tensor) when the site's last part arrives."""
         what = f"push part {header.part} of {header.parts} of site {header.site_id!r} for round {header.round}"
-        why = PartialPushes.check_header(header)
-        if why is not None:
-            raise CoordinatorError("invalid_argument", f"{what} rejected: {why}")
         with self._cv:
             verdict = self._check_push(header)
         if verdict == "duplicate":
@@ -419,7 +496,12 @@ class Coordinator:
             return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=payload)
         described = [describe_part(p, [c for c, _ in part], self._specs) for p, part in every.items()]
         result = self._take(header, (pair for part in every.values() for pair in part), sliced=described, parts_payload=sum(every_bytes.values()))
-        return PushResult(accepted=result.accepted, duplicate=result.duplicate, round=result.round, payload_bytes=payload, merged_into=result.merged_into)
+        return dataclasses.replace(result, payload_bytes=payload)
+
+    def _check_header(self, header: PushHeader, what: str) -> None:
+        why = header_problem(header, self._bounds)
+        if why is not None:
+            raise CoordinatorError("invalid_argument", f"{what} rejected: {why}")
 
     def _check_push(self, header: PushHeader) -> str:
         """"take" (a push for the open round), "merge" (a late push the policy folds into the
@@ -430,8 +512,6 @@ class Coordinator:
         self._wait_published()
         if header.eval is not None:
             self._check_eval(header.site_id, header.eval)
-        if header.tokens <= 0:
-            raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} declares tokens={header.tokens}; must be > 0")
         site, r = header.site_id, header.round
         facts = PushFacts(
             round=r, open_round=self._open, total_rounds=self.cfg.total_rounds, pushed_this_round=site in self._round.pushes,
@@ -488,7 +568,11 @@ class Coordinator:
             # If this raises, θ has moved but the round cannot be published durably: the
             # coordinator stays "committing" (it never takes the round's pushes twice) and its
             # process must be restarted from the last good checkpoint.
-            save_checkpoint(Path(str(self.cfg.checkpoint_dir)), record.round + 1, pending.checkpoint)
+            try:
+                save_checkpoint(Path(str(self.cfg.checkpoint_dir)), record.round + 1, pending.checkpoint)
+            except Exception as e:
+                self._fail(f"the checkpoint of round {record.round}", e)
+                raise CoordinatorError("unavailable", f"round {record.round} could not be made durable; the coordinator must restart") from None
         with self._cv:
             self._downlink.put_update(record.round, pending.update)
             self._hash = record.global_sha256
@@ -497,7 +581,7 @@ class Coordinator:
             # Parts of pushes for rounds that can no longer be taken (refused, or too late to merge).
             stale = self.cfg.quorum.max_staleness if self.cfg.quorum.late == "merge" else 0
             self._parts.prune(lambda rnd: self._open - rnd <= stale)
-            self._round = RoundState.open(self._open, pending.closed_at, self._shapes, self.cfg.aggregate)
+            self._round = RoundState.open(self._open, pending.closed_at, self._shapes, self.cfg.aggregate, self.cfg.robust)
             self._cv.notify_all()
         for listener in self.on_commit:
             listener(record)
@@ -516,6 +600,8 @@ class Coordinator:
             "participants": {str(r): list(p) for r, p in self._participants.items()},
             "records": {str(r): rec for r, rec in self._records.items()},
             "guard_history": self._guard.history,
+            "robust_history": self._bound.history,
+            "refusals": dict(self._refusals),
             "merged_done": sorted(self._merged_done),
             "init_from": self.init_from,
         }
@@ -544,10 +630,12 @@ class Coordinator:
             self._members.restore(state["members"], grace_s=RESTART_GRACE_S)
             self._records = {int(r): dict(rec) for r, rec in state.get("records", {}).items()}
             self._guard = SpikeGuard(self.cfg.guard, list(state.get("guard_history", [])))
+            self._bound = NormBound(self.cfg.robust, [float(x) for x in state.get("robust_history", [])])
+            self._refusals = {str(s): int(n) for s, n in state.get("refusals", {}).items()}
             self._merged_done = {(str(s), int(r)) for s, r in state.get("merged_done", [])}
             self._downlink.clear()
             self._parts.clear()
-            self._round = RoundState.open(committed, self._clock(), self._shapes, self.cfg.aggregate)
+            self._round = RoundState.open(committed, self._clock(), self._shapes, self.cfg.aggregate, self.cfg.robust)
             last = self._records.get(committed - 1)
             if last is not None:  # elapsed_s goes on from where the predecessor stopped
                 self._start = self._round.opened_at - float(last["elapsed_s"])
@@ -555,10 +643,13 @@ class Coordinator:
     # ---- pulls -----------------------------------------------------------------------
     def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:
         """Blocks until ``round`` is committed or ``timeout_s`` passes; returns the status."""
+        if not 0 <= round < self.cfg.total_rounds:
+            raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
         with self._cv:
             self._require_member(site_id)
             self._require_ready()
-            self._cv.wait_for(lambda: self._open > round, timeout=max(0.0, timeout_s))
+            self._cv.wait_for(lambda: self._open > round or self.failed is not None, timeout=max(0.0, timeout_s))
+            self._require_healthy()
             return self._status()
 
     def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:

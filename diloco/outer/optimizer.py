@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,33 @@ class OuterConfig:
         return getattr(torch.optim, self.name)(params, **kwargs)
 
 
+# An update longer than this many times θ (or 1, for a θ near 0) is absurd: no learning rate
+# that trains moves the model that far in one outer step. Typical updates are ~1e-2 of θ.
+ABSURD_UPDATE_RATIO = 100.0
+
+
+class OuterStepRefused(ValueError):
+    """The outer step would have made θ non-finite or absurd; θ and the optimizer state are
+    as they were before it."""
+
+
+def check_update(name: str, update: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Raises OuterStepRefused if ``update`` is non-finite, or absurd against ``params``."""
+    size = l2(update)
+    if not math.isfinite(size):
+        raise OuterStepRefused(f"the {name} is not finite")
+    if params is None:
+        return
+    limit = ABSURD_UPDATE_RATIO * max(l2(params), 1.0)
+    if size > limit:
+        raise OuterStepRefused(f"the {name} has norm {size:.4g}, over {ABSURD_UPDATE_RATIO:g} x max(|θ|, 1) = {limit:.4g}")
+
+
+def l2(tensors: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm over all tensors, in float64 (inf or nan when any value is)."""
+    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
+
+
 class OuterOptimizer:
     """Owns θ (float32, name -> tensor) and the outer optimizer state.
 
@@ -51,6 +80,10 @@ class OuterOptimizer:
     *defines* θ_{r+1} := θ_r + ũ (one float32 add), which is exactly what every site computes
     with the ũ it pulls. So the copies stay bit-identical even though θ_r + (θ' − θ_r) need not
     equal θ' in floats, and even when the downlink codec is lossy.
+
+    A step is all or nothing: if the proposed update is non-finite or absurd
+    (``check_update``), or ``transmit`` raises, θ and the optimizer state stay as they were
+    and ``OuterStepRefused`` says why.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig) -> None:
@@ -66,16 +99,28 @@ class OuterOptimizer:
     ) -> dict[str, torch.Tensor]:
         """One outer step; returns the update ũ that was applied (what the sites apply)."""
         before = {n: p.clone() for n, p in self.params.items()}
-        for n in self.names:
-            self.params[n].grad = mean_delta[n].detach().clone()
-        self._opt.step()
-        proposed = {}
-        for n in self.names:
-            p = self.params[n]
-            proposed[n] = p - before[n]
-            p.grad = None
-            p.copy_(before[n])
-        sent = transmit(proposed) if transmit is not None else proposed
+        saved = copy.deepcopy(self._opt.state_dict())
+        try:
+            for n in self.names:
+                self.params[n].grad = mean_delta[n].detach().clone()
+            self._opt.step()
+            proposed = {}
+            for n in self.names:
+                p = self.params[n]
+                proposed[n] = p - before[n]
+                p.grad = None
+                p.copy_(before[n])
+            check_update("proposed update", proposed, before)
+            sent = transmit(proposed) if transmit is not None else proposed
+            check_update("update as sent", sent, before)
+        except Exception as e:
+            for n in self.names:
+                self.params[n].grad = None
+                self.params[n].copy_(before[n])
+            self._opt.load_state_dict(saved)
+            if isinstance(e, OuterStepRefused):
+                raise
+            raise OuterStepRefused(f"the outer step failed: {type(e).__name__}: {e}") from e
         for n in self.names:
             self.params[n].add_(sent[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
         return sent

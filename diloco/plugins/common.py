@@ -6,6 +6,7 @@ from torch import nn
 
 from diloco.api import DiLoCo, check_site_args, check_sync_args
 from diloco.codec import CodecConfig
+from diloco.security.config import SecurityConfig
 
 
 class SiteSettings:
@@ -27,6 +28,7 @@ class SiteSettings:
         error_feedback_decay: float | None = None,
         round_timeout_s: float = 3600.0,
         connect_timeout_s: float = 120.0,
+        security: SecurityConfig | None = None,
     ) -> None:
         check_site_args(site_id, sync_every, tokens_per_step)
         check_sync_args(error_feedback, error_feedback_decay, round_timeout_s)
@@ -39,6 +41,7 @@ class SiteSettings:
         self.error_feedback_decay = error_feedback_decay
         self.round_timeout_s = round_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.security = security
 
     def join(self, model: nn.Module) -> DiLoCo:
         """Joins the run as this site and loads the global θ into ``model`` (in place)."""
@@ -46,7 +49,7 @@ class SiteSettings:
             model, None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
             tokens_per_step=self.tokens_per_step or 1, codec=self.codec, error_feedback=self.error_feedback,
             error_feedback_decay=self.error_feedback_decay, round_timeout_s=self.round_timeout_s,
-            connect_timeout_s=self.connect_timeout_s,
+            connect_timeout_s=self.connect_timeout_s, security=self.security,
         )  # fmt: skip
         site.join()  # closes the connection again if it fails
         return site

@@ -48,7 +48,7 @@ class DiLoCoLightningCallback(Callback, SiteSettings):
 
     Arguments (see ``SiteSettings``): ``coordinator``, ``site_id``, ``sync_every``, ``codec``,
     ``tokens_per_step``, and keyword-only the sync settings of ``diloco.DiLoCo``:
-    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``.
+    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``, ``security``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

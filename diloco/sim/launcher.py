@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -24,8 +25,12 @@ from diloco.model import build_model, is_builtin
 from diloco.site.device import resolve_device
 from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_dict, read_fired
 from diloco.app import records
-from diloco.app.records import GlobalRecord, ProgressRecord, Summary, WorkerRecord
+from diloco.app.records import GlobalRecord, MetricsLine, ProgressRecord, Summary, WorkerRecord
 from diloco.io import read_jsonl, write_json_atomic
+from diloco.security.store import write_run_credentials
+
+
+CREDENTIALS_DIR = "credentials"  # the run's credentials a simulation makes (diloco-certs' layout)
 
 
 class SimError(RuntimeError):
@@ -72,10 +77,15 @@ def run_simulation(
     progress: Callable[[str], None] | None = print,
     resume: bool = False,
     faults: FaultsConfig | Mapping[str, Any] | None = None,
+    credentials: bool = True,
 ) -> dict[str, Any]:
     """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
 
     ``faults``: what to inject into the processes (a FaultsConfig, or its plain data).
+
+    ``credentials``: unless ``cfg.security.dir`` names the run's credentials, make them
+    (diloco-certs' layout, in run_dir/credentials), so every channel runs as a real run's
+    would (TLS, and security.auth's client certificates and tokens); False: plaintext.
 
     ``resume``: go on with the (stopped or crashed) run in ``run_dir``: its config must be
     ``cfg``; the coordinator resumes from its checkpoint, every site from its own, and the
@@ -90,7 +100,11 @@ def run_simulation(
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
     check_before_start(cfg)
     faults = faults if isinstance(faults, FaultsConfig) else sim_faults(faults, cfg)
+    if credentials and cfg.mode == "diloco" and cfg.security.dir is None:
+        cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, dir=str(run_dir / CREDENTIALS_DIR)))
     config_path = _prepare_run_dir(cfg, run_dir, faults, resume)
+    if credentials and cfg.security.dir == str(run_dir / CREDENTIALS_DIR) and not (resume and (run_dir / CREDENTIALS_DIR / "ca.pem").exists()):
+        write_run_credentials(run_dir / CREDENTIALS_DIR, [str(s) for s in range(cfg.sites)], hosts=["localhost", "127.0.0.1"], days=30, force=True)
     procs: list[_Proc] = []
     start = time.monotonic()
     # SIGTERM must unwind through the finally below, which stops every child.
@@ -120,7 +134,7 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume
     else:
         for stale in ("metrics.jsonl", FIRED_FILE):
             (run_dir / stale).unlink(missing_ok=True)
-        for stale_dir in ("checkpoints", "progress", "workers", "logs"):
+        for stale_dir in ("checkpoints", "progress", "workers", "logs", CREDENTIALS_DIR):
             shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     write_json_atomic(config_path, run_config_to_dict(cfg))
     write_json_atomic(run_dir / FAULTS_FILE, faults_to_dict(faults))
@@ -185,6 +199,14 @@ def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_
         cmd + extra, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent, start_new_session=True
     )
     return _Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation)
+
+
+def _refused_pushes(metrics: list[MetricsLine]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for m in metrics:
+        for r in m.refused or []:
+            counts[r["site"]] = counts.get(r["site"], 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _check_resumable(cfg: RunConfig, run_dir: Path) -> None:
@@ -333,6 +355,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         rounds=cfg.rounds,
         rounds_committed=g.rounds_committed,
         rounds_rejected=sum(1 for m in metrics if m.rejected),
+        refused_pushes=_refused_pushes(metrics),
         faults_injected=read_fired(run_dir),
         goodput=round(committed / trained, 4) if trained else None,
         model=cfg.model.name,

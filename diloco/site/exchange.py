@@ -63,6 +63,8 @@ def exchange(
         finally:
             times["push_s"] += time.perf_counter() - t
         stats.bytes_up += result.payload_bytes
+        if result.refused or result.clipped:
+            log(f"site {site}: round {r} push {'not counted' if result.refused else 'counted scaled down'} by the coordinator: {result.refused or result.clipped}")
         if result.merged_into:
             # Late, but merged into the open round (quorum.late=merge): it counted; go on from
             # the open round's θ like a site whose push was dropped.

@@ -9,6 +9,7 @@ from diloco.errors import RemoteError
 from diloco.transport.client import CoordinatorClient
 from diloco.transport.protocol import CoordinatorService
 from diloco.transport.retry import Backoff, retrying
-from diloco.transport.server import serve
+from diloco.transport.limits import ServerLimits
+from diloco.transport.server import Server, serve
 
-__all__ = ["Backoff", "CoordinatorClient", "CoordinatorService", "RemoteError", "retrying", "serve"]
+__all__ = ["Backoff", "CoordinatorClient", "CoordinatorService", "RemoteError", "Server", "ServerLimits", "retrying", "serve"]

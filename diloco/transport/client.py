@@ -8,10 +8,12 @@ import grpc
 
 from diloco.boxes import Box
 from diloco.errors import Kind, RemoteError
+from diloco.security.config import SecurityConfig
 from diloco.transport import serde
 from diloco.transport.limits import MAX_MESSAGE_BYTES
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
+from diloco.transport.security import client_side
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
 # gRPC's status codes as the project's refusal kinds (diloco.errors). A call that could not
@@ -21,7 +23,8 @@ _KINDS: dict[grpc.StatusCode, Kind] = {
     grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
     grpc.StatusCode.NOT_FOUND: "not_found",
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
-    grpc.StatusCode.PERMISSION_DENIED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
     grpc.StatusCode.OUT_OF_RANGE: "out_of_range",
     grpc.StatusCode.ABORTED: "aborted",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
@@ -41,25 +44,33 @@ class CoordinatorClient:
     """One channel to the coordinator at ``address`` ("host:port").
 
     ``connect_timeout_s`` is how long a call waits for the coordinator to come up (a site may
-    start first); ``timeout_s`` bounds each call once connected. All methods are thread-safe.
+    start first); ``timeout_s`` bounds each call once connected. ``security``: the run's
+    credentials, used as site ``site_id`` (None: plaintext, loopback only). All methods are
+    thread-safe.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 60.0, security: SecurityConfig | None = None, site_id: str = ""
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # Reconnect to a restarted coordinator within seconds (gRPC's default backoff
-                # grows to 120 s).
-                ("grpc.initial_reconnect_backoff_ms", 250),
-                ("grpc.min_reconnect_backoff_ms", 250),
-                ("grpc.max_reconnect_backoff_ms", 4000),
-            ],
-        )
+        side = client_side(security or SecurityConfig(), address, site_id)
+        self._md = side.metadata
+        options = [
+            *side.options,
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Reconnect to a restarted coordinator within seconds (gRPC's default backoff
+            # grows to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 4000),
+        ]
+        if side.credentials is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(address, side.credentials, options=options)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
@@ -77,7 +88,7 @@ class CoordinatorClient:
         req = serde.join_request_to_proto(JoinRequest(site_id, tuple(specs), can_upload=can_upload, sync_every=sync_every, codec=codec))
         try:
             # wait_for_ready: a site started before its coordinator waits instead of failing.
-            reply = self._stub.Join(req, timeout=self.connect_timeout_s, wait_for_ready=True)
+            reply = self._stub.Join(req, timeout=self.connect_timeout_s, wait_for_ready=True, metadata=self._md)
         except grpc.RpcError as e:
             raise _remote(e) from None
         return serde.join_info_from_proto(reply)
@@ -96,7 +107,7 @@ class CoordinatorClient:
                 yield pb.PushMessage(chunk=serde.chunk_to_proto(c))
 
         try:
-            reply = rpc(messages(), timeout=self.timeout_s, wait_for_ready=True)
+            reply = rpc(messages(), timeout=self.timeout_s, wait_for_ready=True, metadata=self._md)
         except grpc.RpcError as e:
             raise _remote(e) from None
         return serde.push_result_from_proto(reply)
@@ -104,7 +115,7 @@ class CoordinatorClient:
     def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:
         req = pb.WaitRequest(site_id=site_id, round=round, timeout_s=timeout_s)
         try:
-            reply = self._stub.WaitRound(req, timeout=timeout_s + self.timeout_s, wait_for_ready=True)
+            reply = self._stub.WaitRound(req, timeout=timeout_s + self.timeout_s, wait_for_ready=True, metadata=self._md)
         except grpc.RpcError as e:
             raise _remote(e) from None
         return serde.status_from_proto(reply)
@@ -118,7 +129,7 @@ class CoordinatorClient:
         the open round), then θ's chunks (with ``want``, only those overlapping the slices)."""
         req = pb.PullRequest(site_id=site_id, want=serde.boxes_to_proto(want))
         try:
-            messages = list(self._stub.PullGlobal(req, timeout=self.timeout_s, wait_for_ready=True))
+            messages = list(self._stub.PullGlobal(req, timeout=self.timeout_s, wait_for_ready=True, metadata=self._md))
         except grpc.RpcError as e:
             raise _remote(e) from None
         if not messages or messages[0].WhichOneof("kind") != "status" or any(m.WhichOneof("kind") != "chunk" for m in messages[1:]):
@@ -127,13 +138,13 @@ class CoordinatorClient:
 
     def _pull(self, rpc: grpc.UnaryStreamMultiCallable, req: pb.PullRequest) -> list[Chunk]:
         try:
-            return [serde.chunk_from_proto(m) for m in rpc(req, timeout=self.timeout_s, wait_for_ready=True)]
+            return [serde.chunk_from_proto(m) for m in rpc(req, timeout=self.timeout_s, wait_for_ready=True, metadata=self._md)]
         except grpc.RpcError as e:
             raise _remote(e) from None
 
     def heartbeat(self, site_id: str, timeout_s: float | None = None) -> RoundStatus:
         try:
-            reply = self._stub.Heartbeat(pb.HeartbeatRequest(site_id=site_id), timeout=timeout_s or self.timeout_s)
+            reply = self._stub.Heartbeat(pb.HeartbeatRequest(site_id=site_id), timeout=timeout_s or self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:
             raise _remote(e) from None
         return serde.status_from_proto(reply)
@@ -142,6 +153,6 @@ class CoordinatorClient:
         """Leaves the run, reporting the hash of the site's θ (and its last evaluation of it)."""
         req = pb.LeaveRequest(site_id=site_id, global_sha256=global_sha256, **serde.eval_fields(eval))
         try:
-            self._stub.Leave(req, timeout=self.timeout_s, wait_for_ready=True)
+            self._stub.Leave(req, timeout=self.timeout_s, wait_for_ready=True, metadata=self._md)
         except grpc.RpcError as e:
             raise _remote(e) from None

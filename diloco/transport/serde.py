@@ -72,11 +72,15 @@ def boxes_from_proto(want: Iterable[pb.TensorBox]) -> dict[str, Box] | None:
 
 
 def push_result_to_proto(r: PushResult) -> pb.PushReply:
-    return pb.PushReply(accepted=r.accepted, duplicate=r.duplicate, round=r.round, payload_bytes=r.payload_bytes, merged_into=r.merged_into)
+    return pb.PushReply(
+        accepted=r.accepted, duplicate=r.duplicate, round=r.round, payload_bytes=r.payload_bytes, merged_into=r.merged_into, refused=r.refused, clipped=r.clipped
+    )
 
 
 def push_result_from_proto(m: pb.PushReply) -> PushResult:
-    return PushResult(accepted=m.accepted, duplicate=m.duplicate, round=m.round, payload_bytes=m.payload_bytes, merged_into=m.merged_into)
+    return PushResult(
+        accepted=m.accepted, duplicate=m.duplicate, round=m.round, payload_bytes=m.payload_bytes, merged_into=m.merged_into, refused=m.refused, clipped=m.clipped
+    )
 
 
 def join_info_to_proto(j: JoinInfo) -> pb.JoinReply:

@@ -1,24 +1,30 @@
-"""A thin gRPC servicer over a CoordinatorService: translate, call, map refusals to status codes."""
+"""A thin gRPC servicer over a CoordinatorService: check who calls and what they may hold,
+translate, call, map refusals to status codes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import ExitStack, contextmanager
 
 import grpc
 
 from diloco.errors import CoordinatorError
+from diloco.security.config import SecurityConfig
 from diloco.transport import serde
-from diloco.transport.limits import MAX_MESSAGE_BYTES
+from diloco.transport.limits import MAX_MESSAGE_BYTES, PerSite, ServerLimits, StreamWatch
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.protocol import CoordinatorService
+from diloco.transport.security import ServerAuth, bind, server_side
 
 _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "out_of_range": grpc.StatusCode.OUT_OF_RANGE,
     "aborted": grpc.StatusCode.ABORTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
@@ -30,15 +36,32 @@ def _abort(context: grpc.ServicerContext, e: CoordinatorError) -> None:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: CoordinatorService) -> None:
+    def __init__(self, coordinator: CoordinatorService, auth: ServerAuth, limits: ServerLimits, watch: StreamWatch) -> None:
         self._c = coordinator
+        self._auth = auth
+        self._per_site = PerSite(limits.max_rpcs_per_site)
+        self._watch = watch
+
+    @contextmanager
+    def _as(self, context: grpc.ServicerContext, site_id: str, identity: str | None = None, known: bool = False) -> Iterator[None]:
+        """The call acts for ``site_id``: its credentials must prove that id, and the site must
+        have a call slot left. ``known``: ``identity`` was established already (streams)."""
+        with ExitStack() as stack:
+            try:
+                who = identity if known else self._auth.identify(context)
+                bind(who, site_id)
+                stack.enter_context(self._per_site.hold(site_id))
+            except CoordinatorError as e:
+                _abort(context, e)
+            yield
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        try:
-            j = serde.join_request_from_proto(request)
-            info = self._c.join(j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec)
-        except CoordinatorError as e:
-            _abort(context, e)
+        with self._as(context, request.site_id):
+            try:
+                j = serde.join_request_from_proto(request)
+                info = self._c.join(j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec)
+            except CoordinatorError as e:
+                _abort(context, e)
         return serde.join_info_to_proto(info)
 
     def PushDelta(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
@@ -48,72 +71,123 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._stream(request_iterator, context, self._c.upload_init, "upload of θ₀")
 
     def _stream(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext, take, what: str) -> pb.PushReply:
-        """A header, then chunks: the framing of a push and of the upload of θ₀."""
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a {what} must start with a PushHeader message")
-        header = serde.header_from_proto(first.header)
-
-        def chunks():
-            for msg in request_iterator:
-                if msg.WhichOneof("kind") != "chunk":
-                    raise CoordinatorError("invalid_argument", f"a {what} carries exactly one header, first")
-                yield serde.chunk_from_proto(msg.chunk)
-
+        """A header, then chunks: the framing of a push and of the upload of θ₀. The caller is
+        identified before anything is read; a stream idle for ``stream_idle_s`` is cancelled."""
         try:
-            result = take(header, chunks())
+            identity = self._auth.identify(context)
         except CoordinatorError as e:
             _abort(context, e)
+        with self._watch.track(context.cancel) as tracked:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a {what} must start with a PushHeader message")
+            tracked.touch()
+            header = serde.header_from_proto(first.header)
+
+            def chunks():
+                for msg in request_iterator:
+                    tracked.touch()
+                    if msg.WhichOneof("kind") != "chunk":
+                        raise CoordinatorError("invalid_argument", f"a {what} carries exactly one header, first")
+                    yield serde.chunk_from_proto(msg.chunk)
+
+            with self._as(context, header.site_id, identity, known=True):
+                try:
+                    result = take(header, chunks())
+                except CoordinatorError as e:
+                    _abort(context, e)
         return serde.push_result_to_proto(result)
 
     def WaitRound(self, request: pb.WaitRequest, context: grpc.ServicerContext) -> pb.RoundStatus:
-        try:
-            status = self._c.wait_round(request.site_id, request.round, min(request.timeout_s, 60.0))
-        except CoordinatorError as e:
-            _abort(context, e)
+        with self._as(context, request.site_id):
+            try:
+                status = self._c.wait_round(request.site_id, request.round, min(max(request.timeout_s, 0.0), 60.0))
+            except CoordinatorError as e:
+                _abort(context, e)
         return serde.status_to_proto(status)
 
     def PullUpdate(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
-        try:
-            chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want))
-        except CoordinatorError as e:
-            _abort(context, e)
-        for c in chunks:
-            yield serde.chunk_to_proto(c)
+        with self._as(context, request.site_id):
+            try:
+                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want))
+            except CoordinatorError as e:
+                _abort(context, e)
+            yield from self._send(context, (serde.chunk_to_proto(c) for c in chunks))
 
     def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalMessage]:
-        try:
-            status, chunks = self._c.pull_global(request.site_id, serde.boxes_from_proto(request.want))
-        except CoordinatorError as e:
-            _abort(context, e)
-        yield pb.GlobalMessage(status=serde.status_to_proto(status))
-        for c in chunks:
-            yield pb.GlobalMessage(chunk=serde.chunk_to_proto(c))
+        with self._as(context, request.site_id):
+            try:
+                status, chunks = self._c.pull_global(request.site_id, serde.boxes_from_proto(request.want))
+            except CoordinatorError as e:
+                _abort(context, e)
+            yield pb.GlobalMessage(status=serde.status_to_proto(status))
+            yield from self._send(context, (pb.GlobalMessage(chunk=serde.chunk_to_proto(c)) for c in chunks))
+
+    def _send(self, context: grpc.ServicerContext, messages: Iterator):
+        """Yields ``messages``; a caller that stops reading for ``stream_idle_s`` is cancelled."""
+        with self._watch.track(context.cancel) as tracked:
+            for m in messages:
+                yield m
+                tracked.touch()
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.RoundStatus:
-        try:
-            status = self._c.heartbeat(request.site_id)
-        except CoordinatorError as e:
-            _abort(context, e)
+        with self._as(context, request.site_id):
+            try:
+                status = self._c.heartbeat(request.site_id)
+            except CoordinatorError as e:
+                _abort(context, e)
         return serde.status_to_proto(status)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        try:
-            self._c.leave(request.site_id, request.global_sha256, serde.eval_from_proto(request))
-        except CoordinatorError as e:
-            _abort(context, e)
+        with self._as(context, request.site_id):
+            try:
+                self._c.leave(request.site_id, request.global_sha256, serde.eval_from_proto(request))
+            except CoordinatorError as e:
+                _abort(context, e)
         return pb.LeaveReply()
 
 
-def serve(coordinator: CoordinatorService, host: str = "127.0.0.1", port: int = 0, max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """Starts a gRPC server for ``coordinator``; returns it and the bound port (port 0: any free)."""
+class Server:
+    """The running gRPC server and its stream watch; ``stop`` stops both."""
+
+    def __init__(self, server: grpc.Server, watch: StreamWatch) -> None:
+        self._server = server
+        self.watch = watch
+
+    def stop(self, grace: float | None) -> object:
+        """Stops serving (``grace`` seconds for calls in flight); returns grpc's stopped event."""
+        self.watch.close()
+        return self._server.stop(grace)
+
+
+def serve(
+    coordinator: CoordinatorService,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    security: SecurityConfig | None = None,
+    limits: ServerLimits | None = None,
+) -> tuple[Server, int]:
+    """Starts a gRPC server for ``coordinator``; returns it and the bound port (port 0: any
+    free). ``security``: the run's credentials (None: plaintext, loopback only)."""
+    security = security or SecurityConfig()
+    limits = limits or ServerLimits()
+    credentials, auth = server_side(security, host)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator-rpc"),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        futures.ThreadPoolExecutor(max_workers=limits.max_rpcs, thread_name_prefix="coordinator-rpc"),
+        maximum_concurrent_rpcs=limits.max_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_connection_idle_ms", int(limits.max_connection_idle_s * 1000)),
+        ],
     )
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    watch = StreamWatch(limits.stream_idle_s, limits.stream_max_s)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, auth, limits, watch), server)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"could not bind the coordinator to {host}:{port}")
+        watch.close()
+        raise OSError(f"could not bind the coordinator to {address}")
     server.start()
-    return server, bound
+    return Server(server, watch), bound
