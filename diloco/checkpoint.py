@@ -93,9 +93,12 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(f"{path}: checksum mismatch (the file is corrupt)")
     try:
-        return torch.load(io.BytesIO(payload), weights_only=True)
+        state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
         raise CheckpointError(f"{path}: payload does not load: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of state")
+    return state
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

@@ -64,8 +64,9 @@ class Fp16Codec(_TwoBytesPerValue):
     y_i = fp16(x_i * 2**-e), so the decoded value is y_i * 2**e. e is chosen so the chunk's
     absmax lands in [2**14, 2**15): a plain cast would turn |x| > 65504 into inf and lose
     all precision below 6e-5 (pseudo-gradients are often that small); scaling by a power of
-    two is exact, so every value within 2**-29 of the chunk absmax keeps fp16's relative
-    precision (|error| <= 2**-11 |x|), smaller ones an absolute error <= absmax * 2**-40.
+    two is exact, so every value within 2**-28 of the chunk absmax keeps fp16's relative
+    precision (|error| <= 2**-11 |x|), smaller ones an absolute error <= absmax * 2**-39
+    (half of fp16's smallest subnormal, 2**-25, times 2**e <= absmax * 2**-14).
     Size: 8 + 2 * numel bytes.
     """
 
@@ -99,7 +100,7 @@ class Bf16Codec(_TwoBytesPerValue):
     """bfloat16 by round-to-nearest-even cast (same exponent range as float32).
 
     Layout: 8-byte header (param 0) + numel little-endian uint16 (the bf16 bit patterns).
-    |error| <= 2**-8 |x|. Values beyond bf16's largest finite value (3.39e38) saturate to it
+    |error| <= 2**-8 |x| (below 2**-126, where both formats are subnormal: <= 2**-134). Values beyond bf16's largest finite value (3.39e38) saturate to it
     instead of becoming inf. Size: 8 + 2 * numel bytes.
     """
 

@@ -16,6 +16,7 @@ import torch
 from diloco.codec import CodecError, is_lossless
 from diloco.wire import ChunkAssembler
 from diloco.types import Chunk, TensorSpec
+from diloco.security.ids import quote
 
 KEEP_ALIVE_EVERY = 64  # chunks (of <= 1 MiB) between lease renewals while θ₀ is uploaded
 
@@ -76,7 +77,7 @@ def upload_problem(declared: Mapping[str, TensorSpec], count: int) -> str | None
         if not spec.name:
             return "a parameter has an empty name"
         if spec.dtype != "float32":
-            return f"parameter {clip(spec.name)} is {clip(spec.dtype)}; θ is kept in float32 (keep the parameters float32 and train in bf16 with autocast)"
+            return f"parameter {quote(spec.name, 80)} is {quote(spec.dtype, 80)}; θ is kept in float32 (keep the parameters float32 and train in bf16 with autocast)"
     return None
 
 
@@ -89,13 +90,9 @@ def decode_upload(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], keep
         if i % KEEP_ALIVE_EVERY == KEEP_ALIVE_EVERY - 1:
             keep_alive()
         if not is_lossless(chunk.codec):
-            raise CodecError(f"chunk of {chunk.name!r} is encoded with {clip(chunk.codec)}; θ₀ must be sent lossless (fp32)")
+            raise CodecError(f"chunk of {chunk.name!r} is encoded with {quote(chunk.codec, 80)}; θ₀ must be sent lossless (fp32)")
         if chunk.box_shape or chunk.box_start:
             raise CodecError(f"chunk of {chunk.name!r} holds a slice; θ₀ is sent whole, from a one-rank site")
         assembler.add(chunk)
     return assembler.finish(), assembler.payload_bytes
 
-
-def clip(text: str, limit: int = 80) -> str:
-    """Client text quoted in a message, cut to ``limit`` characters."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")

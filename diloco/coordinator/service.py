@@ -33,7 +33,7 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.headers import HeaderBounds, header_problem
-from diloco.coordinator.init_source import InitElection, clip as _clip, decode_upload, upload_problem
+from diloco.coordinator.init_source import InitElection, decode_upload, upload_problem
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_state import RoundState
@@ -208,7 +208,7 @@ class Coordinator:
             problems = mismatches(self._specs, specs)
             if problems:
                 raise CoordinatorError(
-                    "invalid_argument", f"model of site {site_id!r} does not match the coordinator's (θ₀ from {self.init_from}): " + _clip("; ".join(problems), 2000)
+                    "invalid_argument", f"model of site {site_id!r} does not match the coordinator's (θ₀ from {self.init_from}): " + "; ".join(problems)[:2000]
                 )
             self._admit(site_id)
             return self._join_info()
@@ -240,7 +240,7 @@ class Coordinator:
                 "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"
             )
         if codec and self.cfg.codec_up is not None and codec != self.cfg.codec_up:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} pushes with codec={_clip(codec)}, this run's codec is {self.cfg.codec_up}: use the run's codec")
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} pushes with codec={quote(codec, 80)}, this run's codec is {self.cfg.codec_up}: use the run's codec")
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """θ₀ from the site that Join chose as its source (init=site): every tensor it declared,
@@ -358,7 +358,7 @@ class Coordinator:
         """Marks the coordinator failed (every call is refused from now on) and tells the
         ``on_fatal`` listeners; without listeners the exception propagates."""
         with self._cv:
-            self.failed = self.failed or f"{what} failed: {type(e).__name__}: {_clip(str(e), 500)}"
+            self.failed = self.failed or f"{what} failed: {type(e).__name__}: {str(e)[:500]}"
             self._cv.notify_all()
         if not self.on_fatal:
             raise e

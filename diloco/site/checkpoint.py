@@ -25,6 +25,7 @@ import torch
 
 from diloco.checkpoint import CheckpointError, load_latest, save_checkpoint
 from diloco.data import ShardSampler
+from diloco.security.ids import quote
 from diloco.site.inner import InnerTrainer
 
 
@@ -63,7 +64,9 @@ class SiteCheckpointer:
     def restore(self, *, round: int, global_sha256: str, set_residual: Callable[[dict[str, torch.Tensor] | None], None]) -> Restored | None:
         """Loads the newest good checkpoint of this run into the trainer, sampler and residual
         (see the module's rules) for a site that joined at ``round`` holding θ with hash
-        ``global_sha256``; None when there is none (the site starts fresh)."""
+        ``global_sha256``; None when there is none, or none usable (logged, naming the file:
+        the site starts fresh, nothing restored). CheckpointError naming the file when its
+        sampler state is another shard's (the optimizer state is restored by then)."""
         try:
             loaded = load_latest(self.directory)
         except CheckpointError as e:
@@ -77,10 +80,38 @@ class SiteCheckpointer:
         if state.get("run_id") != self.run_id:
             self.log(f"site checkpoint {loaded.path} is of run {state.get('run_id')}, not {self.run_id}: ignored")
             return None
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
-        exact = int(state["round"]) == round
+        why = _state_problem(state)
+        if why is None:
+            try:  # before anything else changes: a state that does not load leaves the site fresh
+                self.trainer.optimizer.load_state_dict(state["optimizer"])
+            except (AttributeError, KeyError, RuntimeError, TypeError, ValueError) as e:
+                why = f"its optimizer state does not fit this model ({quote(str(e), 200)})"
+        if why is not None:
+            self.log(f"site checkpoint {loaded.path} is not usable: {why}; the inner optimizer starts fresh")
+            return None
+        exact = state["round"] == round
         if exact:
-            self.sampler.load_state_dict(state["sampler"])
+            try:
+                self.sampler.load_state_dict(state["sampler"])
+            except (AttributeError, KeyError, RuntimeError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{loaded.path}: its sampler state does not fit this site: {e}") from None
             set_residual(state["residual"])
-            self.trainer.steps_done = int(state["steps_done"])
-        return Restored(round=int(state["round"]), exact=exact, hash_matches=state["global_sha256"] == global_sha256, tokens=int(state["tokens"]))
+            self.trainer.steps_done = state["steps_done"]
+        return Restored(round=state["round"], exact=exact, hash_matches=state["global_sha256"] == global_sha256, tokens=state["tokens"])
+
+
+# What ``save`` writes, by type: a checksummed file of this run with anything else was
+# written by something else, and is not applied.
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "round": int, "global_sha256": str, "optimizer": dict, "steps_done": int, "sampler": dict, "residual": (dict, type(None)), "tokens": int,
+}  # fmt: skip
+
+
+def _state_problem(state: dict[str, Any]) -> str | None:
+    """Why ``state`` is not what ``SiteCheckpointer.save`` writes (None: it is)."""
+    for key, kind in _FIELDS.items():
+        if key not in state:
+            return f"it has no {key!r}"
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            return f"its {key!r} is a {type(state[key]).__name__}"
+    return None
