@@ -30,11 +30,14 @@ class Box:
         return self.start == tuple(0 for _ in full) and self.shape == tuple(full)
 
     def problem(self, full: Sequence[int]) -> str | None:
-        """Why this box is not a non-empty box inside a tensor of shape ``full`` (None: it is)."""
+        """Why this box is not a box inside a tensor of shape ``full``, non-empty unless the
+        tensor is empty (None: it is)."""
         if len(self.start) != len(full) or len(self.shape) != len(full):
-            return f"box {self} has {len(self.start)}/{len(self.shape)} dimensions, the tensor {len(full)}"
+            # Not the box itself: its dimensions come from the network, unbounded in number.
+            return f"a box of {len(self.start)}/{len(self.shape)} dimensions (start/shape) for a tensor of {len(full)}"
         for d, (a, n, f) in enumerate(zip(self.start, self.shape, full)):
-            if a < 0 or n < 1 or a + n > f:
+            # An extent of 0 only where the tensor has one: the whole box of an empty tensor.
+            if a < 0 or n < 0 or (n == 0 and f > 0) or a + n > f:
                 return f"box {self} leaves the tensor of shape {list(full)} in dimension {d}"
         return None
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from diloco.security.ids import quote
+
 MAGIC = b"DLCK"
 VERSION = 1
 _HEADER = struct.Struct("<4sIQ32s")  # magic, version, payload length, sha256(payload)
@@ -95,7 +97,10 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        raise CheckpointError(f"{path}: payload does not load: {e}") from None
+        # torch wraps a refused global in a page of advice (to load the file unsafely) around
+        # one line of diagnosis that echoes names from the file: keep that line, bounded.
+        why = (str(e).partition("WeightsUnpickler error: ")[2] or str(e)).strip()
+        raise CheckpointError(f"{path}: payload does not load: {quote(why.splitlines()[0] if why else type(e).__name__, 200)}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of state")
     return state

@@ -3,9 +3,13 @@ on sys.path (pytest's rootdir-relative conftest), so tests import ``helpers`` di
 
 from __future__ import annotations
 
-import pytest
-from helpers import FakeClock
-from hypothesis import settings
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is first imported: no INFO line per refused handshake
+
+import pytest  # noqa: E402
+from helpers import FakeClock  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Property tests draw the same examples on every run (CI is reproducible) and have no
 # per-example deadline (this machine's timing varies); pytest-timeout bounds each test.

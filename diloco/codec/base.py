@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+from diloco.security.ids import quote
+
 
 class CodecError(ValueError):
     """A payload that cannot be decoded as declared; the message says what disagrees."""
@@ -96,4 +98,4 @@ def get_codec(name: str) -> Codec:
     try:
         return _CODECS[name]
     except KeyError:
-        raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(known_codecs())}") from None
+        raise CodecError(f"unknown codec {quote(name)}; known codecs: {', '.join(known_codecs())}") from None

@@ -116,10 +116,11 @@ class _BlockScaled:
         absmax (near float32's max that product would round to inf)."""
         max_code = np.float32(self.max_code)
         scales = absmax / max_code
-        over = scales * max_code > absmax
-        while over.any():
-            scales = np.where(over, np.nextafter(scales, np.float32(0)), scales)
+        with np.errstate(over="ignore"):  # a product that overflows is inf: over, as it should be
             over = scales * max_code > absmax
+            while over.any():
+                scales = np.where(over, np.nextafter(scales, np.float32(0)), scales)
+                over = scales * max_code > absmax
         return scales
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
@@ -163,7 +164,8 @@ class Int8Codec(_BlockScaled):
     """int8 with one float32 scale = absmax / 127 per block of B values (default 1024).
 
     Codes round(x / scale) in [-127, 127]; |x - decoded| <= absmax_block / 254 (for all the
-    blockwise codecs, plus float32 rounding: <= absmax_block * 2**-21).
+    blockwise codecs, plus float32 rounding: <= absmax_block * 2**-21, and <= max_code * 2**-149
+    where the scale is a float32 subnormal, below absmax ~1.5e-36).
     Size: 8 + 4 * ceil(numel / B) + numel bytes.
     """
 

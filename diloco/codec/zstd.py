@@ -9,10 +9,14 @@ import torch
 import zstandard
 
 from diloco.codec.base import Codec, CodecError
-from diloco.codec.header import MAGIC, VERSION, largest_fitting
+from diloco.codec.header import MAGIC, MAX_NUMEL, VERSION, largest_fitting
 
 _HEADER = struct.Struct("<BBBB")  # magic, version, byte-plane width (1 = no shuffle), 0
 _MIN_LEVEL = -(1 << 17)  # ZSTD_minCLevel(): the fastest of zstd's negative levels
+# The most content one byte of a zstd frame can stand for: a block holds at most 128 KiB and
+# takes at least 4 bytes (an RLE block: a 3-byte header and the repeated byte).
+_MAX_RATIO = (128 << 10) // 4
+_EMPTY_LAST_BLOCK = b"\x01\x00\x00"  # what zstd writes after the header of a frame of no content
 
 
 def compress_bound(n: int) -> int:
@@ -41,8 +45,10 @@ class ZstdCodec:
     front); other codecs' payloads are compressed as they are (width 1).
     Size: at most 4 + compress_bound(inner.encoded_size(numel)) bytes (zstd can expand
     incompressible input slightly). The decoder never inflates past
-    inner.max_encoded_size(numel): a frame that declares or produces more is rejected
-    before that memory is allocated. The level only affects the encoder; default 3.
+    inner.max_encoded_size(numel), nor past 32768 bytes per frame byte (zstd's largest
+    ratio): a frame that declares or produces more is rejected before that memory is
+    allocated. numel is at most 2**32 - 1 (the inner header's u32). The level only affects
+    the encoder; default 3.
     """
 
     def __init__(self, inner: Codec, level: int = 3) -> None:
@@ -76,8 +82,8 @@ class ZstdCodec:
         return _HEADER.pack(MAGIC["zstd"], VERSION, self._width, 0) + frame
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
-        if numel < 0:
-            raise CodecError(f"{self.name}: negative element count {numel}")
+        if not 0 <= numel <= MAX_NUMEL:
+            raise CodecError(f"{self.name}: element count {numel} outside 0..{MAX_NUMEL}")
         if len(payload) < _HEADER.size:
             raise CodecError(f"{self.name} payload has {len(payload)} bytes, shorter than its {_HEADER.size}-byte header")
         magic, version, width, reserved = _HEADER.unpack_from(payload)
@@ -95,15 +101,26 @@ class ZstdCodec:
         return self.inner.decode(data, numel)
 
     def _inflate(self, frame: memoryview, numel: int) -> bytes:
-        limit = self.inner.max_encoded_size(numel)
+        # Never more than a valid inner payload of numel elements, nor than this frame can
+        # hold: zstd allocates a declared content size before it inflates anything.
+        limit = min(self.inner.max_encoded_size(numel), _MAX_RATIO * len(frame))
         try:
-            declared = zstandard.get_frame_parameters(frame).content_size
+            params = zstandard.get_frame_parameters(frame)
         except zstandard.ZstdError as e:
             raise CodecError(f"{self.name} payload is not a zstd frame: {e}") from None
+        declared = params.content_size
+        if declared == 0:
+            # python-zstandard returns b"" for such a frame without reading what follows its
+            # header: check that it is the empty frame, and nothing trails it.
+            rest = bytes(frame[zstandard.frame_header_size(frame) :])
+            if rest[:3] != _EMPTY_LAST_BLOCK or len(rest) != 3 + 4 * params.has_checksum:
+                raise CodecError(f"{self.name} payload: a zstd frame of no content followed by {len(rest)} bytes that are not its one empty block")
+            return b""
         if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
             raise CodecError(
                 f"{self.name} frame declares {declared} bytes of content, but {self.inner.name} encodes "
-                f"{numel} elements in at most {limit} (refusing to inflate it)"
+                f"{numel} elements in at most {self.inner.max_encoded_size(numel)} and a {len(frame)}-byte frame holds at most "
+                f"{_MAX_RATIO * len(frame)} (refusing to inflate it)"
             )
         try:
             # With a declared size zstd inflates into exactly that many bytes; without one

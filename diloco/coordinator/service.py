@@ -14,6 +14,7 @@ meanwhile; pushes for the closing round and pulls of θ wait for the publication
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -99,6 +100,7 @@ class Coordinator:
         if params is not None:
             self._install(params, cfg.init_source)
         self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        self._decoding: set[str] = set()  # sites with a push in a staging buffer (one each)
         for _ in range(cfg.max_concurrent_pushes):
             self._staging.put({})
         self._guard = SpikeGuard(cfg.guard)
@@ -407,17 +409,17 @@ class Coordinator:
     ) -> PushResult:
         """Decodes a whole push into a staging buffer, then adds it to the round (or merges it).
         ``chunks``: each with its values when they were decoded already (the parts of a sharded
-        push: ``sliced`` is what they held, for the round's record, ``parts_payload`` their bytes)."""
-        try:
-            staging = self._staging.get(timeout=self.cfg.staging_timeout_s)
-        except queue.Empty:
-            raise CoordinatorError(
-                "resource_exhausted", f"every staging buffer ({self.cfg.max_concurrent_pushes}) stayed busy for {self.cfg.staging_timeout_s:g} s; push again shortly"
-            ) from None
+        push: ``sliced`` is what they held, for the round's record, ``parts_payload`` their bytes).
+
+        A buffer is taken only once the first chunk is here, and a site decodes one push at a
+        time: a client that stalls holds at most one buffer, until its stream's idle deadline."""
+        chunks = iter(chunks)
+        first = next(chunks, None)
+        staging = self._take_staging(header.site_id)
         try:
             assembler = ChunkAssembler(self._specs, out=staging)
             try:
-                for chunk, values in chunks:
+                for chunk, values in itertools.chain([first] if first is not None else [], chunks):
                     assembler.add(chunk, values)
                 delta = assembler.finish()
             except CodecError as e:
@@ -441,7 +443,7 @@ class Coordinator:
                 self._round.bytes_up += payload
                 pending = self._maybe_commit()
         finally:
-            self._staging.put(staging)
+            self._give_staging(header.site_id, staging)
         for push_listener in self.on_push:
             push_listener(header.round)
         self._publish(pending)
@@ -464,6 +466,25 @@ class Coordinator:
         """Site -> how many of its pushes the norm bound refused over the run."""
         with self._cv:
             return dict(sorted(self._refusals.items()))
+
+    def _take_staging(self, site_id: str) -> dict[str, torch.Tensor]:
+        with self._cv:
+            if site_id in self._decoding:
+                raise CoordinatorError("resource_exhausted", f"site {site_id!r} has a push being decoded already; push again once it is answered")
+            self._decoding.add(site_id)
+        try:
+            return self._staging.get(timeout=self.cfg.staging_timeout_s)
+        except queue.Empty:
+            with self._cv:
+                self._decoding.discard(site_id)
+            raise CoordinatorError(
+                "resource_exhausted", f"every staging buffer ({self.cfg.max_concurrent_pushes}) stayed busy for {self.cfg.staging_timeout_s:g} s; push again shortly"
+            ) from None
+
+    def _give_staging(self, site_id: str, staging: dict[str, torch.Tensor]) -> None:
+        self._staging.put(staging)
+        with self._cv:
+            self._decoding.discard(site_id)
 
     def _push_part(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """One rank's slices of a sharded site's push: checked and decoded now, and taken as one

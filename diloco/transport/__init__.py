@@ -5,11 +5,17 @@
 (diloco.errors); ``retrying`` and ``Backoff`` retry what can be retried.
 """
 
-from diloco.errors import RemoteError
-from diloco.transport.client import CoordinatorClient
-from diloco.transport.protocol import CoordinatorService
-from diloco.transport.retry import Backoff, retrying
-from diloco.transport.limits import ServerLimits
-from diloco.transport.server import Server, serve
+import os
+
+# grpc logs every failed TLS handshake at INFO by default: a coordinator on the internet would
+# log one line per scanner. Errors only, unless the user asks for more.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from diloco.errors import RemoteError  # noqa: E402
+from diloco.transport.client import CoordinatorClient  # noqa: E402
+from diloco.transport.protocol import CoordinatorService  # noqa: E402
+from diloco.transport.retry import Backoff, retrying  # noqa: E402
+from diloco.transport.limits import ServerLimits  # noqa: E402
+from diloco.transport.server import Server, serve  # noqa: E402
 
 __all__ = ["Backoff", "CoordinatorClient", "CoordinatorService", "RemoteError", "Server", "ServerLimits", "retrying", "serve"]

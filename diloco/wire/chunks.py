@@ -9,6 +9,7 @@ import torch
 
 from diloco.boxes import Box, tiling_problem
 from diloco.codec.base import Codec, CodecError, get_codec
+from diloco.security.ids import quote
 from diloco.types import Chunk, TensorSpec
 
 MAX_CHUNK_BYTES = 1 << 20  # the transport never sends a payload larger than 1 MiB
@@ -71,13 +72,15 @@ def encoded_bytes(numels: Iterable[int], *, codec: Codec, chunk_bytes: int = MAX
 
 
 def _check_header(specs: Mapping[str, TensorSpec], chunk: Chunk) -> TensorSpec:
+    if len(chunk.payload) > MAX_CHUNK_BYTES:
+        raise CodecError(f"chunk of {quote(chunk.name)} has a payload of {len(chunk.payload)} bytes, over the limit of {MAX_CHUNK_BYTES} per chunk")
     spec = specs.get(chunk.name)
     if spec is None:
-        raise CodecError(f"unknown parameter {chunk.name!r}")
+        raise CodecError(f"unknown parameter {quote(chunk.name)}")
     if tuple(chunk.shape) != spec.shape:
-        raise CodecError(f"parameter {chunk.name!r} has shape {list(spec.shape)}, chunk declares {list(chunk.shape)}")
+        raise CodecError(f"parameter {chunk.name!r} has shape {list(spec.shape)}, chunk declares {quote(list(chunk.shape))}")
     if chunk.dtype != spec.dtype:
-        raise CodecError(f"parameter {chunk.name!r} has dtype {spec.dtype}, chunk declares {chunk.dtype}")
+        raise CodecError(f"parameter {chunk.name!r} has dtype {spec.dtype}, chunk declares {quote(chunk.dtype)}")
     return spec
 
 
@@ -272,7 +275,7 @@ class SliceAssembler:
         lo, hi = box.row_window(spec.shape)
         target = self._target.setdefault(chunk.name, hi - lo if whole else box.numel)
         if target != (hi - lo if whole else box.numel):
-            raise CodecError(f"chunks of {chunk.name!r} mix the whole tensor and slice {chunk.box}")
+            raise CodecError(f"chunks of {chunk.name!r} mix the whole tensor and slice {quote(str(chunk.box))}")
         if whole:
             _check_range(chunk, max(expected, chunk.offset), _numel(spec.shape), "")
             if chunk.offset < expected:
@@ -280,7 +283,7 @@ class SliceAssembler:
             self._add_whole_tensor_chunk(chunk, spec, box)
         else:
             if chunk.box != box:
-                raise CodecError(f"chunk of {chunk.name!r} is for slice {chunk.box}; this rank holds {box}")
+                raise CodecError(f"chunk of {chunk.name!r} is for slice {quote(str(chunk.box))}; this rank holds {box}")
             _check_range(chunk, expected, box.numel, f" slice {box}")
             out = self._out.setdefault(chunk.name, torch.empty(box.shape, dtype=torch.float32))
             out.view(-1)[chunk.offset : chunk.offset + chunk.numel] = _decode(chunk)
@@ -309,7 +312,10 @@ class SliceAssembler:
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The wanted slices; CodecError naming those missing or partial."""
-        missing = [repr(n) for n in sorted(self._wanted) if n not in self._out or self._covered.get(n, 0) != self._target[n]]
+        for n, box in self._wanted.items():
+            if box.numel == 0:  # a slice of an empty tensor: complete with no chunk (none need come)
+                self._out.setdefault(n, torch.empty(box.shape, dtype=torch.float32))
+        missing = [repr(n) for n in sorted(self._wanted) if n not in self._out or self._covered.get(n, 0) != self._target.get(n, 0)]
         if missing:
             raise CodecError(f"incomplete: {len(missing)} slice(s) missing or partial: {', '.join(missing[:5])}")
         return {n: self._out[n] for n in sorted(self._wanted)}

@@ -20,6 +20,7 @@ from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, RemoteError, ServerLimits, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
+from diloco.transport.serde import chunk_to_proto
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
@@ -200,12 +201,15 @@ def test_a_site_gets_a_limited_number_of_calls_in_flight() -> None:
         s.close()
 
 
-def _stalled_push(address: str, site: str, release: threading.Event) -> tuple[threading.Thread, list[object]]:
-    """A raw push stream that sends its header and then nothing until ``release``."""
+def _stalled_push(address: str, site: str, release: threading.Event, first_chunk: bool = False) -> tuple[threading.Thread, list[object]]:
+    """A raw push stream that sends its header (and its first chunk) and then nothing until ``release``."""
     out: list[object] = []
 
     def messages():
         yield pb.PushMessage(header=pb.PushHeader(site_id=site, round=0, tokens=10, inner_steps=1, parts=1))
+        if first_chunk:
+            delta = {n: torch.zeros_like(t) for n, t in _theta().items()}
+            yield pb.PushMessage(chunk=chunk_to_proto(next(iter(encode_chunks(delta, codec=FP32)))))
         release.wait(30)
 
     def run() -> None:
@@ -222,14 +226,18 @@ def _stalled_push(address: str, site: str, release: threading.Event) -> tuple[th
 
 def test_pushes_that_stop_sending_are_cancelled_and_free_their_staging_buffers() -> None:
     """Two pushes that sent a header and then nothing held both staging buffers: every valid
-    push waited until its deadline. Now an idle stream is cancelled after stream_idle_s."""
+    push waited until its deadline. Now a buffer is taken only with the first chunk, one per
+    site, and an idle stream is cancelled after stream_idle_s."""
     cfg = CoordinatorConfig(total_rounds=2, min_sites=3, max_concurrent_pushes=2)
     s = Served(cfg, limits=ServerLimits(stream_idle_s=1.0))
     release = threading.Event()
     try:
         s.join("a", "b", "c")
-        stalled = [_stalled_push(s.address, site, release) for site in ("b", "c")]
+        stalled = [_stalled_push(s.address, site, release, first_chunk=True) for site in ("b", "c")]
         time.sleep(0.3)  # both hold a staging buffer now
+        _t, again = _stalled_push(s.address, "b", release, first_chunk=True)
+        _t.join(10)
+        assert again == [grpc.StatusCode.RESOURCE_EXHAUSTED]  # one buffer per site
         assert s.push("a", 0).accepted  # gets a buffer once the idle ones are cancelled
         for t, out in stalled:
             t.join(10)

@@ -58,7 +58,8 @@ DAMAGE = st.one_of(
         st.just("foreign"),  # a valid header and checksum around something that is not our state
         st.one_of(
             st.binary(max_size=200),
-            st.sampled_from([_saved([1, 2]), _saved(torch.ones(2)), _saved(7), _saved(None), pickle.dumps(_NotAllowed(), protocol=2), pickle.dumps({"a": 1}, protocol=2)]),
+            st.sampled_from([_saved([1, 2]), _saved(torch.ones(2)), _saved(7), _saved(None)]),
+            st.sampled_from([pickle.dumps(_NotAllowed(), protocol=2), pickle.dumps({"a": 1}, protocol=2)]),
         ),
     ),
 )
@@ -81,9 +82,11 @@ def _damage(data: bytes, damage: tuple[str, Any]) -> bytes:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch, reading random bytes
 @settings(PROPERTY, max_examples=60)
 @given(damage=DAMAGE)
 @example(damage=("foreign", _saved([1, 2]))).via("bug: a checksummed list loaded as a checkpoint's state")
+@example(damage=("foreign", b"c")).via("bug: torch's page-long message, echoing the file, passed on whole")
 def test_a_damaged_or_foreign_newest_checkpoint_is_named_and_the_previous_one_loaded(tmp_path: Path, damage: tuple[str, Any]) -> None:
     with tempfile.TemporaryDirectory(dir=tmp_path) as d:
         ck.save_checkpoint(Path(d), 1, _state(1))
@@ -96,13 +99,14 @@ def test_a_damaged_or_foreign_newest_checkpoint_is_named_and_the_previous_one_lo
             return
         with pytest.raises(ck.CheckpointError, match=newest.name) as e:
             ck.read_checkpoint(newest)
-        assert len(str(e.value)) <= 1000 + len(str(newest))
+        assert len(str(e.value)) <= 300 + len(str(newest))
         loaded = ck.load_latest(Path(d))
         assert loaded is not None and loaded.round == 1 and torch.equal(loaded.state["theta"]["w"], torch.full((3, 2), 1.0))
         assert len(loaded.problems) == 1 and newest.name in loaded.problems[0]
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @settings(PROPERTY, max_examples=15)
 @given(damages=st.lists(DAMAGE, min_size=2, max_size=2), stray=st.binary(max_size=100))
 def test_with_no_good_checkpoint_every_bad_one_is_named(tmp_path: Path, damages: list[tuple[str, Any]], stray: bytes) -> None:

@@ -27,6 +27,7 @@ PROPERTY = settings(deadline=None, derandomize=True, database=None, suppress_hea
 MAX_MESSAGE = 1500
 ALL = known_codecs()
 ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
+UNSIZED_FRAME = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(9))  # no content size
 
 NUMEL = st.one_of(
     st.integers(0, 300),
@@ -68,7 +69,7 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 @pytest.mark.timeout(120)
 @settings(PROPERTY, max_examples=400)
 @given(name=st.sampled_from(ALL), payload=st.binary(max_size=200), numel=NUMEL, past_magic=st.booleans())
-@example(name="int8+zstd", payload=b"\x5a\x01\x01\x00" + zstandard.ZstdCompressor(write_content_size=False).compress(bytes(100)), numel=2**40, past_magic=False).via(
+@example(name="int8+zstd", payload=b"\x5a\x01\x01\x00" + UNSIZED_FRAME, numel=2**40, past_magic=False).via(
     "bug: MemoryError: zstd was asked for an output buffer of 5 * numel bytes"
 )
 @example(name="fp32+zstd", payload=b"\x5a\x01\x04\x00" + zstandard.ZstdCompressor().compress(b"1234"), numel=2**62, past_magic=False).via(
@@ -185,6 +186,7 @@ def test_damaged_payloads_decode_or_raise_codec_error(codec: Any, x: np.ndarray,
         got = decode(codec, payload, numel + arg)
         assert isinstance(got, CodecError)  # a header, or fp32's exact length, pins the count
     else:
+        assume(payload or kind == "extend")  # fp32 of no elements: nothing to cut
         cut = payload[: arg % len(payload)] if kind == "truncate" else payload + arg
         got = decode(codec, cut, numel)
         assert isinstance(got, CodecError)  # every payload's length is exact
@@ -207,6 +209,7 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
 @given(codec=codec_with_params(), x=arrays(np.float32, st.integers(0, 300), elements=FLOAT32))
 @example(codec=get_codec("fp16"), x=np.array([2.0**39, 1.0], np.float32)).via("bug: fp16's documented bound said absmax * 2**-40")
 @example(codec=get_codec("bf16"), x=np.array([5.38694e-40], np.float32)).via("bug: bf16's documented bound ignored subnormals")
+@example(codec=get_codec("int8"), x=np.array([2.307e-41], np.float32)).via("bug: int8's documented bound ignored subnormal scales")
 def test_round_trip_keeps_shape_finiteness_and_the_documented_error_bound(codec: Any, x: np.ndarray) -> None:
     payload = codec.encode(torch.from_numpy(x.copy()))
     inner = getattr(codec, "inner", codec)
@@ -227,7 +230,7 @@ def test_round_trip_keeps_shape_finiteness_and_the_documented_error_bound(codec:
         assert (err <= np.maximum(2.0**-11 * np.abs(x64), absmax * 2.0**-39) + tiny).all()
     elif base in ("int8", "int4", "e3m0"):
         a = _blocks(x, inner.block)
-        slack = a * 2.0**-21 + 2 * tiny
+        slack = a * 2.0**-21 + inner.max_code * tiny + 2 * tiny  # float32 rounding; a subnormal scale
         bound = {"int8": a / 254, "int4": a / 14, "e3m0": np.maximum(np.abs(x64) / 3, a / 128)}[base]
         assert (err <= bound + slack).all(), (err - bound - slack).max()
     elif base == "topk2bit":
@@ -288,7 +291,7 @@ def test_a_frame_of_real_content_is_refused_past_what_numel_allows(name: str, nu
 # ---- the codec header and the sparse index ----------------------------------------------------
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @settings(PROPERTY, max_examples=300)
 @given(
     codec=st.sampled_from(sorted(MAGIC)),
@@ -314,7 +317,7 @@ def test_header_round_trips_and_any_damage_to_it_is_named(codec: str, param: int
     assert 2 <= at <= 3 and got == fields[2]  # only the parameter is free; the codec checks it
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @settings(PROPERTY, max_examples=200)
 @given(codec=st.sampled_from(sorted(MAGIC)), payload=st.binary(max_size=12), numel=NUMEL)
 def test_parse_header_of_any_bytes_returns_a_u16_or_raises_codec_error(codec: str, payload: bytes, numel: int) -> None:
@@ -326,7 +329,7 @@ def test_parse_header_of_any_bytes_returns_a_u16_or_raises_codec_error(codec: st
     assert 0 <= param <= 0xFFFF and 0 <= numel <= MAX_NUMEL and payload[0] == MAGIC[codec]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @settings(PROPERTY, max_examples=300)
 @given(n=st.integers(1, 2000), data=st.data())
 def test_positions_round_trip_in_every_index_format(n: int, data: st.DataObject) -> None:
@@ -338,7 +341,7 @@ def test_positions_round_trip_in_every_index_format(n: int, data: st.DataObject)
         assert np.array_equal(decode_positions(b"pad" + coded, 3, n, k, fmt, "test"), positions)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @settings(PROPERTY, max_examples=300)
 @given(n=st.integers(0, 3000), k=st.integers(0, 3000), fmt=st.one_of(st.just(BITMAP), st.integers(0, 31)), data=st.data())
 def test_decode_positions_of_any_bits_is_sorted_distinct_in_range_or_refused(n: int, k: int, fmt: int, data: st.DataObject) -> None:
@@ -352,7 +355,7 @@ def test_decode_positions_of_any_bits_is_sorted_distinct_in_range_or_refused(n: 
     assert (p >= 0).all() and (p < n).all() and (np.diff(p) > 0).all()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @settings(PROPERTY, max_examples=100)
 @given(name=st.one_of(st.sampled_from(ALL), st.text(max_size=12), st.just("n" * 100_000)))
 def test_get_codec_of_any_name_is_a_codec_or_a_short_codec_error(name: str) -> None:

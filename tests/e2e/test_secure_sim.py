@@ -1,0 +1,30 @@
+"""The default simulation runs on the secure path (TLS, client certificates and tokens from
+its own run CA) and, with the default quorum (a majority), finishes without a site that died
+for good."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_ok
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_four_site_tls_run_with_a_site_killed_for_good_finishes_with_the_default_quorum(tmp_path: Path) -> None:
+    run = run_ok(
+        tmp_path / "run", "sites=4", "rounds=4", "sync_every=5", "eval_every=4", "quorum.lease_s=3",
+        "faults.events=[{kind:kill_site,site:3,at_round:1,phase:inner,restart_after_s:-1}]", timeout=240,
+    )  # fmt: skip
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["rounds_committed"] == 4 and summary["hashes_equal"]
+    config = json.loads((run.run_dir / "config.json").read_text())
+    assert config["security"] == {"dir": str(run.run_dir / "credentials"), "tls": True, "auth": "both", "insecure": False, "server_name": None}
+    assert sorted(p.name for p in (run.run_dir / "credentials" / "sites").glob("*.token")) == ["0.token", "1.token", "2.token", "3.token"]
+    lines = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "3" in {s for m in lines for s in m["evicted"]}
+    assert all(m["participants"] == ["0", "1", "2"] for m in lines[2:])  # went on without it
+    log = (run.run_dir / "logs" / "coordinator.log").read_text()
+    assert "a round needs 3 site(s)" in log

@@ -1,0 +1,71 @@
+"""A bounded fuzz test: several hostile clients send random sequences of valid and invalid
+messages (tests/hostile.py) to a real coordinator on 127.0.0.1 while a legitimate 2-site run
+goes on. No call may crash the servicer, no thread may die, θ changes only through committed
+rounds (the legitimate sites, applying only the updates they pull, end bit-identical to it),
+and every round of the legitimate run commits."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+from hostile import Counts, Fuzzer, legit_site
+
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.round_policy import QuorumConfig
+from diloco.outer import OuterConfig
+from diloco.transport import ServerLimits, serve
+
+pytestmark = pytest.mark.timeout(120)
+ROUNDS = 6
+FUZZERS = 4
+MESSAGES = 400  # per fuzzer
+
+
+def _theta() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"emb.w": torch.randn(16, 8, generator=g), "head.b": torch.randn(8, generator=g)}
+
+
+def test_hostile_clients_never_crash_the_coordinator_and_a_legitimate_run_completes() -> None:
+    theta = _theta()
+    cfg = CoordinatorConfig(
+        total_rounds=ROUNDS, min_sites=2, max_sites=4, quorum=QuorumConfig(lease_s=30, deadline="fixed", deadline_s=1.0, late="merge"), staging_timeout_s=5.0,
+    )  # fmt: skip
+    coord = Coordinator(theta, OuterConfig(), cfg)
+    commits = []
+    coord.on_commit.append(commits.append)
+    server, port = serve(coord, "127.0.0.1", 0, limits=ServerLimits(stream_idle_s=5.0))
+    stop_ticker = coord.start_ticker(0.05)
+    address = f"127.0.0.1:{port}"
+    hashes: dict[str, str] = {}
+    counts = Counts()
+    try:
+        legit = [threading.Thread(target=legit_site, args=(address, s, theta, ROUNDS, hashes)) for s in ("a", "b")]
+        for t in legit:
+            t.start()
+        channels = [grpc.insecure_channel(address) for _ in range(FUZZERS)]
+        fuzzers = [Fuzzer(ch, seed=i, members=["x", "y"][i % 2 : i % 2 + 1], theta=theta, total_rounds=ROUNDS) for i, ch in enumerate(channels)]
+        threads = [threading.Thread(target=f.run, args=(MESSAGES,)) for f in fuzzers]
+        for t in threads:
+            t.start()
+        for t in threads + legit:
+            t.join(100)
+        for f in fuzzers:
+            counts.merge(f.counts)
+        for ch in channels:
+            ch.close()
+        print(f"fuzz: {counts.sent} messages, {counts.refusals} refused, {len(counts.crashes)} crashes; by code: {dict(sorted(counts.codes.items()))}")
+        assert [f.error for f in fuzzers] == [None] * FUZZERS
+        assert counts.crashes == []
+        # INTERNAL comes only from grpc itself, for bytes that do not parse as the request.
+        assert set(counts.internal) <= {"Exception deserializing request!", "Exception iterating requests!"}, counts.internal
+        assert counts.sent >= FUZZERS * MESSAGES and counts.refusals > counts.sent // 2
+        assert coord.failed is None and any(t.name == "coordinator-ticker" for t in threading.enumerate())
+        assert coord.finished and [c.round for c in commits] == list(range(ROUNDS))
+        assert hashes["a"] == hashes["b"] == coord.global_sha256()
+    finally:
+        stop_ticker()
+        server.stop(grace=None).wait(5)
