@@ -60,16 +60,13 @@ def run_coordinator(
     if opts.checkpoint_dir:
         _resume(coordinator, Path(opts.checkpoint_dir), log)
     eval_by = "coordinator" if evaluate is not None else "sites"
-    reporter = MetricsReporter(run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log)
+    fatal, failed = _failure_alarm(log)
+    coordinator.on_fatal.append(fatal)
+    reporter = MetricsReporter(
+        run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log, on_fatal=fatal
+    )
     coordinator.on_commit.append(reporter.submit)
     coordinator.on_init.append(lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params, sha256 {coordinator.global_sha256()[:16]}"))
-    failed = threading.Event()
-
-    def fatal(what: str, e: BaseException) -> None:
-        log(f"coordinator failed: {what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
-        failed.set()
-
-    coordinator.on_fatal.append(fatal)
     if attach is not None:
         attach(coordinator)
     limits = ServerLimits(max_rpcs=opts.max_rpcs, max_rpcs_per_site=opts.max_rpcs_per_site, stream_idle_s=opts.stream_idle_s)
@@ -138,6 +135,18 @@ def _issued_sites(cfg: RunConfig) -> tuple[str, ...] | None:
     if cfg.security.dir is None:
         return None
     return tuple(sorted(RunCredentials.at(cfg.security.dir).token_table().sites))
+
+
+def _failure_alarm(log: Callable[[str], None]) -> tuple[Callable[[str, BaseException], None], threading.Event]:
+    """A listener for what broke in the background (logged with its traceback) and the event
+    it sets, on which the main thread stops and the process exits non-zero."""
+    failed = threading.Event()
+
+    def fatal(what: str, e: BaseException) -> None:
+        log(f"coordinator failed: {what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
+        failed.set()
+
+    return fatal, failed
 
 
 class CoordinatorFailed(RuntimeError):

@@ -36,9 +36,12 @@ class MetricsReporter:
         *,
         eval_by: str = "coordinator",
         bytes_data: bool = True,
+        on_fatal: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         """``evaluate``: θ -> held-out loss in nats per token (None: the sites evaluate);
-        ``bytes_data``: tokens are bytes, so eval_bpb = eval_loss / ln 2 is written too."""
+        ``bytes_data``: tokens are bytes, so eval_bpb = eval_loss / ln 2 is written too;
+        ``on_fatal``: told when the writer thread breaks (it never dies silently)."""
+        self._on_fatal = on_fatal
         self.path = path
         self._c = coordinator
         self._evaluate = evaluate
@@ -50,6 +53,7 @@ class MetricsReporter:
         self.final_eval_loss: float | None = None
         self.final_eval_bpb: float | None = None
         self.lines = 0
+        self.refused: dict[str, int] = {}  # site -> its pushes the norm bound refused (as the lines are written)
         self._recover()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
@@ -71,6 +75,14 @@ class MetricsReporter:
         return loss / math.log(2) if loss is not None and self._bytes else None
 
     def _run(self) -> None:
+        try:
+            self._write_lines()
+        except BaseException as e:  # noqa: BLE001 - a dead writer must never go unnoticed
+            if self._on_fatal is None:
+                raise
+            self._on_fatal("the metrics writer", e)
+
+    def _write_lines(self) -> None:
         while (record := self._queue.get()) is not None:
             eval_loss = self._evaluate(record.params) if self._evaluate is not None and record.params is not None else None
             record.params = None  # drop the snapshot as soon as it has been used
@@ -96,10 +108,10 @@ class MetricsReporter:
             for r in record.clipped:
                 verdict += f"; push of site {r['site']} clipped: {r['why']}"
             self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}{verdict}")
-            counts = self._c.refusals()
-            for site in sorted({r["site"] for r in record.refused}):
-                if counts.get(site, 0) >= 2:
-                    self._log(f"site {site}: {counts[site]} of its pushes refused so far (robust.norm_ratio); it may be broken or hostile")
+            for r in record.refused:
+                self.refused[r["site"]] = self.refused.get(r["site"], 0) + 1
+                if self.refused[r["site"]] >= 2:
+                    self._log(f"site {r['site']}: {self.refused[r['site']]} of its pushes refused so far (robust.norm_ratio); it may be broken or hostile")
 
     def _line(self, rec: dict, *, eval_loss: float | None, bytes_down: int | None, recovered: bool = False) -> MetricsLine:
         return MetricsLine(

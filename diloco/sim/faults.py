@@ -21,10 +21,13 @@ Kinds (``faults.events`` in the run config, a list of mappings):
   site sees the connection fail and sends it again); ``site`` (default: every site).
 * ``partition_site``: ``site``, ``at_round``, ``seconds``: from the moment the site wants to
   push round at_round, every call it makes fails as if the network were cut, for ``seconds``.
+* ``poison_push``: ``site``, ``factor``: from ``at_round`` (default 0) every push of the site
+  carries its Δ times factor (a diverged or hostile site; see robust.* for the defences).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -36,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco.codec import get_codec
 from diloco.errors import RemoteError
 
-KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site")
+KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site", "poison_push")
 _PHASES = {"kill_site": ("inner", "push", "pull"), "kill_coordinator": ("between", "mid")}
 _REQUIRED = {
     "kill_site": ("site", "at_round"),
@@ -46,6 +50,7 @@ _REQUIRED = {
     "slow_site": ("site", "factor"),
     "drop_push": ("prob",),
     "partition_site": ("site", "at_round", "seconds"),
+    "poison_push": ("site", "factor"),
 }
 _ALLOWED = {
     "kill_site": ("site", "at_round", "phase", "restart_after_s"),
@@ -53,6 +58,7 @@ _ALLOWED = {
     "slow_site": ("site", "factor", "at_round"),
     "drop_push": ("prob", "site"),
     "partition_site": ("site", "at_round", "seconds"),
+    "poison_push": ("site", "factor", "at_round"),
 }
 
 
@@ -207,6 +213,7 @@ class SiteFaults:
     _rng: random.Random = field(init=False)
     dropped_pushes: int = 0
     _slowed: set[int] = field(default_factory=set)
+    _poisoned: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.plan.events = {i: e for i, e in self.plan.events.items() if e.site in (None, self.site) and e.kind != "kill_coordinator"}
@@ -271,6 +278,12 @@ class _FaultyClient:
                 f.dropped_pushes += 1
                 f.plan.record(i, round=header.round, site=f.site)
                 raise RemoteError("unavailable", f"injected: push of round {header.round} was lost on the way")
+        for i, e in f._events("poison_push"):
+            if header.round >= (e.at_round or 0):
+                if i not in f._poisoned:  # recorded once, when it starts
+                    f._poisoned.add(i)
+                    f.plan.record(i, round=header.round, site=f.site, factor=e.factor)
+                chunks = [_scaled(c, e.factor) for c in chunks]
         kills = f._events("kill_site", at_round=header.round, phase="push")
         if kills:
             chunks = self._kill_after_first(chunks, kills[0][0], header.round)
@@ -291,3 +304,9 @@ class _FaultyClient:
         for i, _ in self._f._events("kill_site", at_round=round, phase="pull"):
             self._f.plan.kill(i, round=round, phase="pull", site=self._f.site)
         return chunks
+
+
+def _scaled(chunk: Any, factor: float) -> Any:
+    """``chunk`` with its values times ``factor``, encoded again with its own codec."""
+    codec = get_codec(chunk.codec)
+    return dataclasses.replace(chunk, payload=codec.encode(codec.decode(chunk.payload, chunk.numel) * factor))

@@ -28,3 +28,20 @@ def test_a_four_site_tls_run_with_a_site_killed_for_good_finishes_with_the_defau
     assert all(m["participants"] == ["0", "1", "2"] for m in lines[2:])  # went on without it
     log = (run.run_dir / "logs" / "coordinator.log").read_text()
     assert "a round needs 3 site(s)" in log
+
+
+def test_a_poisoning_site_is_refused_named_and_the_run_goes_on(tmp_path: Path) -> None:
+    run = run_ok(
+        tmp_path / "run", "sites=3", "rounds=4", "sync_every=5", "eval_every=4", "robust.norm_ratio=3", "robust.min_history=2",
+        "faults.events=[{kind:poison_push,site:2,factor:50,at_round:1}]", timeout=240,
+    )  # fmt: skip
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["refused_pushes"] == {"2": 3} and summary["rounds_committed"] == 4 and summary["hashes_equal"]
+    lines = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "refused" not in lines[0]
+    for m in lines[1:]:
+        (refused,) = m["refused"]
+        assert refused["site"] == "2" and refused["norm"] > 3 * refused["reference"] and "exceeds 3 ×" in refused["why"]
+        assert m["tokens"] * 3 == lines[0]["tokens"] * 2 and m["participants"] == ["0", "1", "2"]  # counted: two of three
+    assert "site 2: 2 of its pushes refused so far" in (run.run_dir / "logs" / "coordinator.log").read_text()
+    assert "not counted by the coordinator" in (run.run_dir / "logs" / "site2.log").read_text()

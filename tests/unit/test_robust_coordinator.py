@@ -1,0 +1,79 @@
+"""robust.* inside the coordinator: a push far larger than the recent ones is refused (the
+round goes on without it, the site is told) or clipped; a coordinate-wise median or trimmed
+mean shrugs off one absurd push; everything survives a checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.codec import get_codec
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.outer import OuterConfig, RobustConfig
+from diloco.types import PushHeader
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
+
+pytestmark = pytest.mark.timeout(60)
+THETA = {"w": torch.zeros(8)}
+SGD = OuterConfig(name="SGD", lr=1.0, momentum=0.0, nesterov=False)
+
+
+def _coord(robust: RobustConfig, sites: int = 4, rounds: int = 3) -> Coordinator:
+    c = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=rounds, min_sites=sites, robust=robust))
+    for s in range(sites):
+        c.join(str(s), fingerprint(THETA).values())
+    return c
+
+
+def _push(c: Coordinator, site: int, round: int, value: float):
+    delta = {"w": torch.full((8,), value)}
+    return c.push(PushHeader(site_id=str(site), round=round, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
+
+
+def test_a_push_far_above_the_recent_norms_is_refused_and_the_round_goes_on() -> None:
+    c = _coord(RobustConfig(norm_ratio=3, min_history=2))
+    records = []
+    c.on_commit.append(records.append)
+    for s in range(3):
+        assert not _push(c, s, 0, 0.1).refused
+    result = _push(c, 3, 0, 10.0)
+    assert result.accepted and "exceeds 3 ×" in result.refused
+    (refused,) = records[0].refused
+    assert refused["site"] == "3" and refused["norm"] == pytest.approx(10.0 * 8**0.5)
+    assert records[0].tokens == 30  # only the counted pushes
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))  # SGD lr 1: θ − mean of the counted
+    assert c.refusals() == {"3": 1}
+
+
+def test_clip_scales_the_push_down_to_the_bound() -> None:
+    c = _coord(RobustConfig(norm_ratio=2, min_history=2, action="clip"))
+    records = []
+    c.on_commit.append(records.append)
+    for s in range(3):
+        _push(c, s, 0, 0.1)
+    assert "clip" in _push(c, 3, 0, 10.0).clipped
+    (clipped,) = records[0].clipped
+    assert clipped["scale"] == pytest.approx(0.02)  # to 2 × the median norm
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -(0.1 * 3 + 0.2) / 4))
+
+
+@pytest.mark.parametrize("how", ["median", "trimmed_mean"])
+def test_a_robust_aggregate_ignores_one_absurd_push(how: str) -> None:
+    c = _coord(RobustConfig(aggregate=how, trim=0.25))
+    for s, v in enumerate([0.1, 0.1, 0.1, 1e30]):
+        _push(c, s, 0, v)
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))
+
+
+def test_the_norm_history_and_refusals_survive_a_checkpoint() -> None:
+    robust = RobustConfig(norm_ratio=3, min_history=2)
+    c = _coord(robust)
+    for s in range(3):
+        _push(c, s, 0, 0.1)
+    _push(c, 3, 0, 10.0)
+    state = c._checkpoint_state()  # noqa: SLF001 - what a checkpoint holds
+    restored = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=3, min_sites=4, robust=robust))
+    restored.restore(state)
+    assert restored.refusals() == {"3": 1}
+    assert restored._bound.history == c._bound.history  # noqa: SLF001
