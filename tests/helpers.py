@@ -9,6 +9,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,3 +122,26 @@ def processes_of(run_dir: Path) -> dict[int, list[str]]:
             found[int(entry.name)] = argv
     return found
 
+
+def expect_refused(fn: Callable[[], object], *kinds: str, says: tuple[str, ...] = ()) -> Any:
+    """Calls ``fn``, which must raise a RemoteError of one of ``kinds`` whose message holds
+    every fragment in ``says``; returns the error."""
+    from diloco.errors import RemoteError
+
+    with pytest.raises(RemoteError) as info:
+        fn()
+    assert info.value.kind in kinds, info.value
+    for fragment in says:
+        assert fragment in info.value.message, info.value.message
+    return info.value
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak memory traced (Python and numpy allocations, zstd's output buffer) while ``fn`` runs."""
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak

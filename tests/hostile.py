@@ -17,6 +17,7 @@ import torch
 from diloco.codec import get_codec, known_codecs
 from diloco.outer import params_sha256
 from diloco.security.config import SecurityConfig
+from diloco.security.store import RunCredentials
 from diloco.transport import CoordinatorClient, retrying
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
@@ -279,6 +280,12 @@ def _channel(address: str, ca: bytes | None, cert: tuple[bytes, bytes] | None = 
     if token is not None:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
     return grpc.secure_channel(address, creds, options=options)
+
+
+def site_channel(address: str, creds: RunCredentials, site: str) -> grpc.Channel:
+    """A raw channel with ``site``'s certificate and token (a client that holds them)."""
+    pem = creds.site_pem(site)
+    return _channel(address, creds.ca_pem(), (pem.key, pem.cert), creds.site_token(site))
 
 
 class HostileLoad:

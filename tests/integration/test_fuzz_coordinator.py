@@ -1,21 +1,23 @@
-"""A bounded fuzz test: several hostile clients send random sequences of valid and invalid
-messages (tests/hostile.py) to a real coordinator on 127.0.0.1 while a legitimate 2-site run
-goes on. No call may crash the servicer, no thread may die, θ changes only through committed
+"""A bounded fuzz test: several hostile clients, each holding the credentials of a site of its
+own (x, y), send random sequences of valid and invalid messages (tests/hostile.py) to a real
+coordinator with the default security on 127.0.0.1 while a legitimate 2-site run goes on. No call may crash the servicer, no thread may die, θ changes only through committed
 rounds (the legitimate sites, applying only the updates they pull, end bit-identical to it),
 and every round of the legitimate run commits."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from hostile import Counts, Fuzzer, legit_site
+from hostile import Counts, Fuzzer, legit_site, site_channel
 
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.outer import OuterConfig
+from diloco.security.config import SecurityConfig
+from diloco.security.store import write_run_credentials
 from diloco.transport import ServerLimits, serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,25 +31,29 @@ def _theta() -> dict[str, torch.Tensor]:
     return {"emb.w": torch.randn(16, 8, generator=g), "head.b": torch.randn(8, generator=g)}
 
 
-def test_hostile_clients_never_crash_the_coordinator_and_a_legitimate_run_completes() -> None:
+def test_hostile_clients_never_crash_the_coordinator_and_a_legitimate_run_completes(tmp_path: Path) -> None:
     theta = _theta()
+    creds = write_run_credentials(tmp_path / "creds", ["a", "b", "x", "y"], hosts=["127.0.0.1"], days=1)
+    security = SecurityConfig(dir=str(creds.dir))
     cfg = CoordinatorConfig(
-        total_rounds=ROUNDS, min_sites=2, max_sites=4, quorum=QuorumConfig(lease_s=30, deadline="fixed", deadline_s=1.0, late="merge"), staging_timeout_s=5.0,
+        total_rounds=ROUNDS, min_sites=2, sites=("a", "b", "x", "y"), quorum=QuorumConfig(lease_s=30, deadline="fixed", deadline_s=1.0, late="merge"),
+        staging_timeout_s=5.0,
     )  # fmt: skip
     coord = Coordinator(theta, OuterConfig(), cfg)
     commits = []
     coord.on_commit.append(commits.append)
-    server, port = serve(coord, "127.0.0.1", 0, limits=ServerLimits(stream_idle_s=5.0))
+    server, port = serve(coord, "127.0.0.1", 0, security=security, limits=ServerLimits(stream_idle_s=5.0))
     stop_ticker = coord.start_ticker(0.05)
     address = f"127.0.0.1:{port}"
     hashes: dict[str, str] = {}
     counts = Counts()
     try:
-        legit = [threading.Thread(target=legit_site, args=(address, s, theta, ROUNDS, hashes)) for s in ("a", "b")]
+        legit = [threading.Thread(target=legit_site, args=(address, s, theta, ROUNDS, hashes, security)) for s in ("a", "b")]
         for t in legit:
             t.start()
-        channels = [grpc.insecure_channel(address) for _ in range(FUZZERS)]
-        fuzzers = [Fuzzer(ch, seed=i, members=["x", "y"][i % 2 : i % 2 + 1], theta=theta, total_rounds=ROUNDS) for i, ch in enumerate(channels)]
+        own = ["x", "y"]
+        channels = [site_channel(address, creds, own[i % 2]) for i in range(FUZZERS)]
+        fuzzers = [Fuzzer(ch, seed=i, members=[own[i % 2]], theta=theta, total_rounds=ROUNDS) for i, ch in enumerate(channels)]
         threads = [threading.Thread(target=f.run, args=(MESSAGES,)) for f in fuzzers]
         for t in threads:
             t.start()

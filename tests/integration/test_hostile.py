@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from helpers import expect_refused
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
@@ -69,12 +70,7 @@ def served() -> Iterator[Served]:
 
 
 def _refused(fn, kind: str, *fragments: str) -> RemoteError:
-    with pytest.raises(RemoteError) as info:
-        fn()
-    assert info.value.kind == kind, info.value
-    for f in fragments:
-        assert f in info.value.message, info.value.message
-    return info.value
+    return expect_refused(fn, kind, says=fragments)
 
 
 @pytest.mark.parametrize("value", [3e38, 1e30], ids=["overflows", "absurd"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import expect_refused
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
@@ -70,11 +71,7 @@ def _push(client: CoordinatorClient, site: str, round: int = 0):
     return client.push(PushHeader(site_id=site, round=round, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
 
 
-def _refused(fn, *kinds: str) -> RemoteError:
-    with pytest.raises(RemoteError) as info:
-        fn()
-    assert info.value.kind in kinds, info.value
-    return info.value
+_refused = expect_refused
 
 
 def test_sites_with_their_own_credentials_run_a_round(secured: Secured) -> None:

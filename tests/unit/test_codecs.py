@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 import struct
-import tracemalloc
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 import zstandard
+from helpers import peak_bytes
 
 from diloco.codec import CodecError, get_codec, known_codecs, make_codec
 from diloco.wire import ChunkAssembler, encode_chunks
@@ -487,15 +486,6 @@ def test_topk_header_checks() -> None:
         get_codec("topk2bit").decode(dense[:-1] + bytes([dense[-1] ^ 0x01]), 100)
 
 
-def _peak_bytes_while(fn: Callable[[], None]) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
-
 
 @pytest.mark.parametrize("with_size", [True, False])
 def test_zstd_bomb_is_refused_without_inflating(with_size: bool) -> None:
@@ -509,7 +499,7 @@ def test_zstd_bomb_is_refused_without_inflating(with_size: bool) -> None:
             with pytest.raises(CodecError, match="declares 100000000 bytes" if with_size else "over"):
                 codec.decode(payload, 10)
 
-        assert _peak_bytes_while(decode) < 1_000_000
+        assert peak_bytes(decode) < 1_000_000
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "+zstd" in n])

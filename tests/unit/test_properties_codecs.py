@@ -7,14 +7,13 @@ of a size field; and encode -> decode keeps shape and finiteness (and every bit,
 from __future__ import annotations
 
 import struct
-import tracemalloc
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import zstandard
+from helpers import peak_bytes
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -51,16 +50,6 @@ def decode(codec: Any, payload: bytes, numel: int) -> torch.Tensor | CodecError:
     assert isinstance(y, torch.Tensor) and y.dtype == torch.float32 and y.shape == (numel,)
     return y
 
-
-def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak memory traced (Python and numpy allocations, zstd's output buffer) while ``fn`` runs."""
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
 
 
 # ---- any bytes, any numel ------------------------------------------------------------------
