@@ -32,7 +32,7 @@ def _main(cfg: DictConfig) -> None:
     except CoordinatorFailed as e:
         fail(f"the coordinator failed and must be restarted from its checkpoint: {e}", code=1)
     except (FileNotFoundError, ValueError) as e:
-        fail(f"bad security setup: {e}")
+        fail(f"bad setup: {e}")
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ def _main(cfg: DictConfig) -> None:
         fail(f"bad data: {e}")
     except (ConfigError, ValueError) as e:
         fail(f"bad config: {e}")
+    except FileNotFoundError as e:
+        fail(f"bad setup: {e}")
     except RemoteError as e:
         fail(f"the coordinator refused this site: {e}", code=1)
 

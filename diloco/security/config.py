@@ -51,8 +51,6 @@ class SecurityConfig:
             raise ValueError(
                 f"{role} on {host}: plaintext is refused off loopback; give security.dir (diloco-certs writes it) or set security.insecure=true"
             )
-        if self.auth == "token" and not self.tls:
-            raise ValueError(f"{role} on {host}: tokens over plaintext are refused off loopback; set security.tls=true or security.insecure=true")
 
 
 def is_loopback(host: str) -> bool:
