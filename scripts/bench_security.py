@@ -129,7 +129,7 @@ def _sim(run_dir: Path, *overrides: str) -> dict[str, Any]:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
-    sync = [sum(w["sync"][k] for k in ("push_s", "wait_s", "pull_s") if k in w["sync"]) for w in workers]
+    sync = [sum(rank[k] for k in ("push_s", "wait_s", "pull_s")) for w in workers for rank in w["sync_s_median_per_rank"]]
     return {"round_s": statistics.median(m["wall_s"] for m in metrics[1:]), "sync_s": statistics.median(sync), "wall_s": json.loads((run_dir / "summary.json").read_text())["wall_s"]}
 
 

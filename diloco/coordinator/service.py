@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import queue
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_state import RoundState
 from diloco.coordinator.site_evals import SiteEvals
+from diloco.coordinator.staging import StagingPool
 from diloco.coordinator.verdict import PushFacts, push_verdict
 from diloco.errors import CoordinatorError
 from diloco.outer import NormBound, NormVerdict, OuterConfig, OuterOptimizer, delta_norm, params_sha256
@@ -99,10 +99,7 @@ class Coordinator:
         self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust)
         if params is not None:
             self._install(params, cfg.init_source)
-        self._staging: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
-        self._decoding: set[str] = set()  # sites with a push in a staging buffer (one each)
-        for _ in range(cfg.max_concurrent_pushes):
-            self._staging.put({})
+        self._staging = StagingPool(cfg.max_concurrent_pushes, cfg.staging_timeout_s)
         self._guard = SpikeGuard(cfg.guard)
         self._bound = NormBound(cfg.robust)  # robust.norm_ratio: each push's Δ norm against recent ones
         self._refusals: dict[str, int] = {}  # site -> its pushes refused by the bound, over the run
@@ -415,8 +412,7 @@ class Coordinator:
         time: a client that stalls holds at most one buffer, until its stream's idle deadline."""
         chunks = iter(chunks)
         first = next(chunks, None)
-        staging = self._take_staging(header.site_id)
-        try:
+        with self._staging.take(header.site_id) as staging:
             assembler = ChunkAssembler(self._specs, out=staging)
             try:
                 for chunk, values in itertools.chain([first] if first is not None else [], chunks):
@@ -442,8 +438,6 @@ class Coordinator:
                     self._round.take(header, delta, self._clock(), sliced, judged)
                 self._round.bytes_up += payload
                 pending = self._maybe_commit()
-        finally:
-            self._give_staging(header.site_id, staging)
         for push_listener in self.on_push:
             push_listener(header.round)
         self._publish(pending)
@@ -466,25 +460,6 @@ class Coordinator:
         """Site -> how many of its pushes the norm bound refused over the run."""
         with self._cv:
             return dict(sorted(self._refusals.items()))
-
-    def _take_staging(self, site_id: str) -> dict[str, torch.Tensor]:
-        with self._cv:
-            if site_id in self._decoding:
-                raise CoordinatorError("resource_exhausted", f"site {site_id!r} has a push being decoded already; push again once it is answered")
-            self._decoding.add(site_id)
-        try:
-            return self._staging.get(timeout=self.cfg.staging_timeout_s)
-        except queue.Empty:
-            with self._cv:
-                self._decoding.discard(site_id)
-            raise CoordinatorError(
-                "resource_exhausted", f"every staging buffer ({self.cfg.max_concurrent_pushes}) stayed busy for {self.cfg.staging_timeout_s:g} s; push again shortly"
-            ) from None
-
-    def _give_staging(self, site_id: str, staging: dict[str, torch.Tensor]) -> None:
-        self._staging.put(staging)
-        with self._cv:
-            self._decoding.discard(site_id)
 
     def _push_part(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """One rank's slices of a sharded site's push: checked and decoded now, and taken as one
