@@ -155,18 +155,15 @@ class CoordinatorFailed(RuntimeError):
 
 
 def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[str], None], failed: threading.Event) -> None:
-    """Until every site has left after the last round, or ``linger_s`` after it; an evicted
-    site gets one lease to come back for θ once the active ones have left. Raises
-    CoordinatorFailed as soon as the coordinator has failed."""
+    """Until every site has left after the last round (an evicted one, cut off near the end,
+    may still come back for θ), or ``linger_s`` after it. Raises CoordinatorFailed as soon as
+    the coordinator has failed."""
     finished_at: float | None = None
     while not coordinator.wait_all_left(timeout_s=0.5):
         if failed.is_set():
             raise CoordinatorFailed(str(coordinator.failed))
         if coordinator.finished:
             finished_at = finished_at or time.monotonic()
-            if not coordinator.active_sites and time.monotonic() - finished_at > coordinator.cfg.quorum.lease_s:
-                log(f"every active site left; evicted site(s) did not come back within a lease ({coordinator.cfg.quorum.lease_s:g}s); stopping")
-                return
             if time.monotonic() - finished_at > linger_s:
                 log(f"not every site left within {linger_s:.0f}s after the last round; stopping anyway")
                 return
