@@ -65,6 +65,7 @@ def exchange(
         stats.bytes_up += result.payload_bytes
         if result.refused or result.clipped:
             log(f"site {site}: round {r} push {'not counted' if result.refused else 'counted scaled down'} by the coordinator: {result.refused or result.clipped}")
+        applied = RoundOutcome(refused=True) if result.refused else APPLIED
         if result.merged_into:
             # Late, but merged into the open round (quorum.late=merge): it counted; go on from
             # the open round's θ like a site whose push was dropped.
@@ -84,7 +85,7 @@ def exchange(
             if outcome is None:
                 raise
             return outcome, None
-        return APPLIED, assembler
+        return applied, assembler
 
     return retrying(attempt, limit_s=timeouts.reconnect_timeout_s, what=f"site {site} round {r}", log=log, on_retry=stats.retried)
 

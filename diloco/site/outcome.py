@@ -17,6 +17,10 @@ class RoundOutcome:
     * ``rejoin``: the site was evicted (or forgotten): its leader joins again first;
     * ``catch_up`` alone: the push counted, but its update is gone (a coordinator restart).
 
+    ``refused`` (with ``applied``): the coordinator judged the push and did not count it
+    (robust.*); the site applies the round's update like the others, but its uplink residual
+    does not move on (the Δ it came from did not count).
+
     ``why`` is the refusal behind it (None when applied or merged).
     """
 
@@ -24,6 +28,7 @@ class RoundOutcome:
     merged: bool = False
     dropped: bool = False
     rejoin: bool = False
+    refused: bool = False
     why: RemoteError | None = None
 
     @property

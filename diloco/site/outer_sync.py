@@ -234,7 +234,7 @@ class OuterSync:
         r = pending.header.round
         outcome = pending.outcome.agreed(self.layout.agree(pending.outcome.bits()))  # every rank goes the same way
         self._eval = None  # sent (or, if the push did not count, a stale evaluation: dropped)
-        if self.feedback is not None and not outcome.dropped:
+        if self.feedback is not None and not outcome.dropped and not outcome.refused:
             self.feedback.carry(pending.residual)  # only a push that counted moves the residual on
         if not outcome.applied:
             return self._catch_up(r, outcome)

@@ -23,7 +23,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.wire.fingerprint import fingerprint
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, lm_loss, model_config
-from diloco.outer import OuterConfig, params_sha256
+from diloco.outer import OuterConfig, RobustConfig, params_sha256
 from diloco.plugins.common import SiteSettings
 from diloco.transport import CoordinatorClient, serve
 from diloco.types import PushHeader
@@ -262,3 +262,27 @@ def test_bad_token_counts_are_refused_by_name(bad: object) -> None:
         assert dl.steps == 0
     finally:
         dl.close()
+
+
+def test_a_refused_push_still_applies_the_round_but_keeps_the_residual() -> None:
+    """robust.norm_ratio refuses the DiLoCo site's push (its Δ is far above the other site's):
+    the round goes on without it, the site applies the round's update as usual, and its int8
+    residual does not move on, since the Δ it came from did not count."""
+    cfg = CoordinatorConfig(total_rounds=1, min_sites=2, robust=RobustConfig(norm_ratio=2, min_history=1))
+    with _coordinator(cfg) as (coord, address, records):
+        theta0 = dict(build_model(MODEL, seed=0).named_parameters())
+        tiny = {n: torch.full_like(p, 1e-9) for n, p in theta0.items()}
+        model, optimizer, sampler = _loop()
+        with CoordinatorClient(address, timeout_s=30) as other:
+            other.join("other", fingerprint(theta0).values())
+            header = PushHeader(site_id="other", round=0, tokens=10, train_loss=1.0, inner_steps=1)
+            assert other.push(header, encode_chunks(tiny, codec=get_codec("fp32"))).accepted
+            with DiLoCo(model, optimizer, coordinator=address, site_id="big", sync_every=2, codec="int8") as dl:
+                for _ in range(2):
+                    _forward_backward(model, sampler)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                assert dl.finished and dl.dropped_rounds == []
+                assert dl.sync.residual is None  # the refused Δ's encoding error was not carried
+                assert params_sha256({n: p.detach() for n, p in model.named_parameters()}) == coord.global_sha256()
+        assert [r["site"] for r in records[0].refused] == ["big"] and records[0].tokens == 10
