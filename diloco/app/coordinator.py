@@ -75,7 +75,7 @@ def run_coordinator(
     start = time.monotonic()
     try:
         what = f"{_count(coordinator)} params from {source}" if coordinator.ready else "θ₀ from the first site that joins (init=site)"
-        log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}")
+        log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
         _wait_until_done(coordinator, opts.linger_s, log, failed)

@@ -43,6 +43,13 @@ class SecurityConfig:
     def uses_tls(self) -> bool:
         return self.dir is not None and self.tls
 
+    def describe(self) -> str:
+        """One line for a log: what protects the channels."""
+        if self.dir is None:
+            return "plaintext, no credentials" + (" (security.insecure)" if self.insecure else " (loopback only)")
+        how = {"mtls": "client certificates", "token": "tokens", "both": "client certificates and tokens"}[self.auth]
+        return f"{'TLS' if self.tls else 'plaintext'} with {how} from {self.dir}"
+
     def check_address(self, host: str, role: str) -> None:
         """Refuses plaintext or unauthenticated calls off loopback unless ``insecure`` is set."""
         if self.insecure or is_loopback(host):

@@ -22,13 +22,20 @@ def _popen(args: list[str], log: Path) -> subprocess.Popen:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout1", ["single", "fsdp2"])
 def test_coordinator_and_two_sites_as_console_scripts(tmp_path: Path, layout1: str) -> None:
-    """Site 1 is a plain process, or a torchrun group of 2 ranks (layout=fsdp2)."""
+    """Site 1 is a plain process, or a torchrun group of 2 ranks (layout=fsdp2). The fsdp2 run
+    is the README's secure one: credentials from the diloco-certs console script, TLS with
+    client certificates and tokens, the two ranks of site 1 sharing its credentials."""
     port_file = tmp_path / "port.json"
     procs: list[subprocess.Popen] = []
+    common = list(COMMON)
+    if layout1 == "fsdp2":
+        certs = subprocess.run([str(BIN / "diloco-certs"), "--out", str(tmp_path / "creds"), "--sites", "0", "1", "--hosts", "localhost", "127.0.0.1"], capture_output=True, text=True)
+        assert certs.returncode == 0, certs.stderr
+        common.append(f"security.dir={tmp_path / 'creds'}")
     try:
         procs.append(
             _popen(
-                [str(BIN / "diloco-coordinator"), *COMMON, "coordinator.port=0", f"coordinator.port_file={port_file}", f"hydra.run.dir={tmp_path / 'coord'}"],
+                [str(BIN / "diloco-coordinator"), *common, "coordinator.port=0", f"coordinator.port_file={port_file}", f"hydra.run.dir={tmp_path / 'coord'}"],
                 tmp_path / "coord.log",
             )
         )
@@ -40,7 +47,7 @@ def test_coordinator_and_two_sites_as_console_scripts(tmp_path: Path, layout1: s
         port = json.loads(port_file.read_text())["port"]
         for site in ("0", "1"):
             launcher = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2"] if site == "1" and layout1 != "single" else []
-            args = [*COMMON, f"site.id={site}", f"site.coordinator=127.0.0.1:{port}", f"hydra.run.dir={tmp_path / ('site' + site)}"]
+            args = [*common, f"site.id={site}", f"site.coordinator=127.0.0.1:{port}", f"hydra.run.dir={tmp_path / ('site' + site)}"]
             procs.append(_popen([*launcher, str(BIN / "diloco-site"), *args, *([f"layout={layout1}"] if site == "1" else [])], tmp_path / f"site{site}.log"))
         for p in procs:
             assert p.wait(timeout=150) == 0, [(tmp_path / n).read_text() for n in ("coord.log", "site0.log", "site1.log")]
@@ -51,6 +58,8 @@ def test_coordinator_and_two_sites_as_console_scripts(tmp_path: Path, layout1: s
                 p.wait(10)
     final = json.loads((tmp_path / "coord" / "global.json").read_text())
     assert final["rounds_committed"] == 2
+    secure = "TLS with client certificates and tokens" if layout1 == "fsdp2" else "plaintext, no credentials (loopback only)"
+    assert secure in (tmp_path / "coord.log").read_text()
     metrics = [json.loads(line) for line in (tmp_path / "coord" / "metrics.jsonl").read_text().splitlines()]
     assert [m["round"] for m in metrics] == [0, 1]
     assert all(m["participants"] == ["0", "1"] for m in metrics)
