@@ -14,7 +14,7 @@ import torch
 from diloco.codec import Codec, is_lossless
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.round_state import RoundState
-from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, check_update, params_sha256
+from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, check_update, l2, params_sha256
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import ChunkAssembler, encode_chunks
 
@@ -102,7 +102,7 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
     round (θ, the optimizer state and the downlink residual stay as they were)."""
     r = state.number
     mean, refusal = _mean(state)
-    delta_norm = norm(mean) if mean is not None else math.nan
+    delta_norm = l2(mean) if mean is not None else math.nan
     if refusal is None:
         verdict = guard.judge(delta_norm)
         refusal = None if verdict.accepted else verdict.describe()
@@ -129,7 +129,7 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
         inner_steps=sum(h.inner_steps for h in headers),
         bytes_up=state.bytes_up,
         train_loss=weighted_loss(headers),
-        update_norm=norm(update),
+        update_norm=l2(update),
         delta_norm=delta_norm,
         rejected=refusal is not None,
         guard=refusal,
@@ -164,10 +164,6 @@ def describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec
     whole = {c.name for c in chunks if c.box.is_whole(specs[c.name].shape)}
     sliced = {c.name for c in chunks} - whole
     return {"part": part, "whole": len(whole), "sliced": len(sliced), "numel": sum(c.numel for c in chunks)}
-
-
-def norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values())))
 
 
 def weighted_loss(headers: list[PushHeader]) -> float | None:

@@ -41,7 +41,8 @@ from diloco.coordinator.site_evals import SiteEvals
 from diloco.coordinator.staging import StagingPool
 from diloco.coordinator.verdict import PushFacts, push_verdict
 from diloco.errors import CoordinatorError
-from diloco.outer import NormBound, NormVerdict, OuterConfig, OuterOptimizer, delta_norm, params_sha256
+from diloco.outer import NormBound, NormVerdict, OuterConfig, OuterOptimizer, params_sha256
+from diloco.outer.robust import judged_size
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 from diloco.wire import ChunkAssembler, check_part, encode_chunks, fingerprint, mismatches
@@ -421,7 +422,7 @@ class Coordinator:
             except CodecError as e:
                 raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} for round {header.round} rejected: {e}") from None
             payload = assembler.payload_bytes + parts_payload
-            size = delta_norm(delta)
+            size = judged_size(delta, self.cfg.robust)
             with self._cv:
                 # The round may have moved on while we decoded; check again before touching it.
                 verdict = self._check_push(header)

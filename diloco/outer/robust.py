@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from diloco.outer.aggregate import WeightedMean, check_aggregate
+from diloco.outer.optimizer import l2
 
 ACTIONS = ("reject", "clip")
 ROBUST_AGGREGATES = ("mean", "trimmed_mean", "median")
@@ -92,13 +93,16 @@ def robust_config(d: Mapping[str, Any] | None) -> RobustConfig:
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     """‖Δ‖₂ over all tensors together, accumulated in float64; ``inf`` if any value is NaN or
     infinite (so a broken push is never mistaken for a small one). 0.0 for no tensors."""
-    total = 0.0
-    for t in delta.values():
-        t64 = t.detach().double()
-        if not bool(torch.isfinite(t64).all()):
-            return math.inf
-        total += float(t64.square().sum())
-    return math.sqrt(total)
+    size = l2(delta)
+    return size if math.isfinite(size) else math.inf
+
+
+def judged_size(delta: Mapping[str, torch.Tensor], cfg: RobustConfig) -> float:
+    """What ``NormBound.judge`` needs of a push: its norm when the bound is on; with the bound
+    off only whether Δ is finite (0.0 or inf), which skips the float64 pass on every push."""
+    if cfg.norm_ratio:
+        return delta_norm(delta)
+    return 0.0 if all(bool(torch.isfinite(t).all()) for t in delta.values()) else math.inf
 
 
 @dataclass(frozen=True)

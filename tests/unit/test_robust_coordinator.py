@@ -77,3 +77,14 @@ def test_the_norm_history_and_refusals_survive_a_checkpoint() -> None:
     restored.restore(state)
     assert restored.refusals() == {"3": 1}
     assert restored._bound.history == c._bound.history  # noqa: SLF001
+
+
+def test_a_non_finite_push_is_refused_even_with_the_bound_off() -> None:
+    c = _coord(RobustConfig())  # norm_ratio 0: only finiteness is judged
+    records = []
+    c.on_commit.append(records.append)
+    for s in range(3):
+        _push(c, s, 0, 0.1)
+    assert "rejected" in _push(c, 3, 0, float("nan")).refused
+    assert not records[0].rejected and [r["site"] for r in records[0].refused] == ["3"]
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))
