@@ -9,6 +9,7 @@ import torch
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, RobustConfig
 from diloco.types import PushHeader
 from diloco.wire import encode_chunks
@@ -79,12 +80,13 @@ def test_the_norm_history_and_refusals_survive_a_checkpoint() -> None:
     assert restored._bound.history == c._bound.history  # noqa: SLF001
 
 
-def test_a_non_finite_push_is_refused_even_with_the_bound_off() -> None:
-    c = _coord(RobustConfig())  # norm_ratio 0: only finiteness is judged
-    records = []
-    c.on_commit.append(records.append)
+def test_a_non_finite_push_is_refused_whole_with_the_bound_off() -> None:
+    """The wire refuses non-finite values as it decodes, before any bound judges the push."""
+    c = _coord(RobustConfig())
     for s in range(3):
         _push(c, s, 0, 0.1)
-    assert "rejected" in _push(c, 3, 0, float("nan")).refused
-    assert not records[0].rejected and [r["site"] for r in records[0].refused] == ["3"]
+    with pytest.raises(CoordinatorError, match="non-finite values") as info:
+        _push(c, 3, 0, float("nan"))
+    assert info.value.kind == "invalid_argument" and c.committed_rounds == 0  # nothing of it counted
+    _push(c, 3, 0, 0.1)
     torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))
