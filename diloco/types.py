@@ -56,6 +56,7 @@ class JoinRequest:
     can_upload: bool = False  # it can send its whole parameters as θ₀ (init=site)
     sync_every: int = 0
     codec: str = ""
+    fragments: int = 0  # streaming: the site's F
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 # Bottom to top. A module may import its own package and anything in a lower layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("diloco.boxes", "diloco.io", "diloco.errors", "diloco.security"),  # leaves: tensor slices, files, refusal kinds, credentials
+    ("diloco.boxes", "diloco.io", "diloco.errors", "diloco.security", "diloco.plan"),  # leaves: tensor slices, files, refusal kinds, credentials, the bandwidth planner
     ("diloco.types",),  # the domain types that cross the wire
     ("diloco.outer", "diloco.codec", "diloco.model", "diloco.data", "diloco.checkpoint"),  # math, value codecs, model, data
     ("diloco.wire",),  # framing: tensors <-> chunks, model fingerprints

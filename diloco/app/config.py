@@ -18,6 +18,7 @@ from diloco.outer import OuterConfig, RobustConfig, check_aggregate
 from diloco.security.config import SecurityConfig
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
+from diloco.site.overlap import SyncSchedule
 
 MODES = ("diloco", "ddp", "single")
 INIT_SOURCES = ("model", "site", "file")
@@ -88,6 +89,11 @@ class RunConfig:
     device: str = "auto"  # where sites train: auto (cuda when available) | cpu | cuda (rank r of a site on cuda:LOCAL_RANK)
     compile: bool = False  # torch.compile the model each site trains
     tf32: bool = True  # CUDA: TensorFloat-32 for float32 matmuls and convolutions
+    # Hiding the network (diloco.site.overlap): streaming fragments, overlap, eager outer steps.
+    fragments: int = 1  # F: round r syncs fragment r mod F of the parameters, a round every H/F steps
+    overlap_steps: int = 0  # τ: the site trains τ steps while a round is in flight, then merges it (τ < H/F)
+    alpha: float | None = None  # the merge: local ← α·local + (1−α)·θ; None: 0.5 with overlap (Streaming DiLoCo's), else 0 (replace)
+    outer_mode: str = "blocking"  # blocking | eager | delayed: eager/delayed overlap the whole sync with the next inner phase
 
     def __post_init__(self) -> None:
         self._resolve_codecs()
@@ -136,6 +142,13 @@ class RunConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be true or false")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+        why = self.schedule.problem()
+        if why is not None:
+            raise ConfigError(why)
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 0.5 if self.overlap_steps > 0 else 0.0)
+        if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
+            raise ConfigError(f"alpha={self.alpha!r}: must be a number in [0, 1] (0: a landed fragment replaces the local one)")
 
     def _check_combinations(self) -> None:
         """Fields that are fine alone but cannot work together."""
@@ -143,6 +156,10 @@ class RunConfig:
             raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
         if self.robust.aggregate != "mean" and self.aggregate == "nonzero":
             raise ConfigError(f"robust.aggregate={self.robust.aggregate} cannot be combined with aggregate=nonzero (a coordinate-wise statistic has no 'sites that sent it')")
+        if self.fragments > 1:
+            for what, on in (("quorum.late=merge", self.quorum.late == "merge"), ("guard.factor > 0", self.guard.factor > 0), ("robust.norm_ratio > 0", self.robust.norm_ratio > 0)):
+                if on:
+                    raise ConfigError(f"fragments={self.fragments} cannot be combined with {what}: it compares pushes of different rounds, which hold different fragments")
         if self.init.source == "site" and self.eval_by == "coordinator":
             raise ConfigError("eval_by=coordinator: with init=site the coordinator does not know the model; use eval_by=auto or sites")
         if self.data.vocab > self.model.vocab_size:
@@ -195,6 +212,16 @@ class RunConfig:
     @property
     def total_steps(self) -> int:
         return self.rounds * self.sync_every
+
+    @property
+    def schedule(self) -> SyncSchedule:
+        """When sites push and merge (diloco.site.overlap)."""
+        return SyncSchedule(sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode)
+
+    @property
+    def sync_rounds(self) -> int:
+        """The coordinator's rounds: ``rounds`` × F (one fragment each; F = 1: ``rounds``)."""
+        return self.rounds * self.fragments
 
 
 def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:

@@ -75,7 +75,7 @@ def run_coordinator(
     start = time.monotonic()
     try:
         what = f"{_count(coordinator)} params from {source}" if coordinator.ready else "θ₀ from the first site that joins (init=site)"
-        log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.rounds} rounds, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}")
+        log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.sync_rounds} rounds{_fragments(cfg)}, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
         _wait_until_done(coordinator, opts.linger_s, log, failed)
@@ -109,25 +109,30 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
     """The coordinator's part of the run config. ``evaluates``: the coordinator evaluates θ
     (it keeps snapshots for it), else the sites are asked to (unless eval_by=coordinator)."""
     return CoordinatorConfig(
-        total_rounds=cfg.rounds,
+        total_rounds=cfg.sync_rounds,
         min_sites=_min_sites(cfg, opts),
         quorum=cfg.quorum,
         codec_down=cfg.downlink_codec,
         error_feedback_down=cfg.error_feedback,
         aggregate=str(cfg.aggregate),
         chunk_bytes=cfg.chunk_bytes,
-        snapshot_every=cfg.eval_every if evaluates else 0,
+        snapshot_every=cfg.eval_every * cfg.fragments if evaluates else 0,
         checkpoint_dir=opts.checkpoint_dir,
         sync_every=cfg.sync_every,
         codec_up=cfg.codec.build().name,
         init_source=init_source,
-        site_eval_every=cfg.eval_every if not evaluates and cfg.eval_by != "coordinator" else 0,
+        site_eval_every=cfg.eval_every * cfg.fragments if not evaluates and cfg.eval_by != "coordinator" else 0,
+        fragments=cfg.fragments,
         guard=cfg.guard,
         robust=cfg.robust,
         sites=_issued_sites(cfg),
         max_sites=cfg.sites,
         max_tokens_per_push=opts.max_tokens_per_push,
     )
+
+
+def _fragments(cfg: RunConfig) -> str:
+    return f" ({cfg.rounds} x {cfg.fragments} fragments, one every {cfg.schedule.round_steps} steps)" if cfg.fragments > 1 else ""
 
 
 def _issued_sites(cfg: RunConfig) -> tuple[str, ...] | None:

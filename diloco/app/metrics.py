@@ -140,6 +140,7 @@ class MetricsReporter:
             recovered=True if recovered else None,
             refused=rec.get("refused") or None,
             clipped=rec.get("clipped") or None,
+            fragment=rec.get("fragment") if self._c.cfg.fragments > 1 else None,
         )
 
     def _recover(self) -> None:

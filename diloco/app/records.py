@@ -81,6 +81,7 @@ class MetricsLine:
     recovered: bool | None = _f("true: written by a restarted coordinator for a round its predecessor committed", optional=True)
     refused: list[dict[str, Any]] | None = _f("pushes the norm bound refused (robust.norm_ratio): {site, round, norm, reference, why}", optional=True)
     clipped: list[dict[str, Any]] | None = _f("pushes counted scaled down (robust.action=clip): {site, round, norm, reference, scale, why}", optional=True)
+    fragment: int | None = _f("fragments=F: the fragment of the parameters this round synced (round mod F)", optional=True)
 
 
 def append_metrics(path: Path, line: MetricsLine) -> None:
@@ -143,6 +144,11 @@ class WorkerRecord:
     rejoins: int | None = _f("times it had to join again (evicted, or forgotten by a restarted coordinator)", optional=True)
     reconnects: int | None = _f("calls retried because the coordinator could not be reached", optional=True)
     incarnation: int | None = _f("how many times this site's process was started again", optional=True)
+    compute_utilization: float | None = _f("seconds in inner steps / seconds from joining to the last round landed", optional=True)
+    stall_s: float | None = _f("seconds the inner loop waited on outer syncs (a blocking sync whole; with overlap, a merge due before its round had landed)", optional=True)
+    stalls: int | None = _f("overlapped syncs that had not landed when their merge was due", optional=True)
+    fragment_bytes: dict[str, dict[str, int]] | None = _f("fragments=F: fragment -> {up, down} payload bytes of this site (leader rank)", optional=True)
+    sync_mode: str | None = _f("blocking | streaming (fragments > 1 or overlap_steps > 0) | eager | delayed", optional=True)
 
 
 @dataclass
@@ -183,6 +189,10 @@ class Summary:
     hashes_equal: bool = _f("every site ended with the coordinator's θ, bit for bit")
     peak_rss_mb: dict[str, float | None] = _f("process -> peak resident memory, MiB")
     run_dir: str = _f("where the run's files are")
+    compute_utilization: dict[str, float] | None = _f("site -> its compute_utilization, and 'run': their mean", optional=True)
+    stall_s: dict[str, float] | None = _f("site -> seconds its inner loop waited on outer syncs", optional=True)
+    fragment_bytes: dict[str, dict[str, int]] | None = _f("fragments=F: fragment -> {up, down} payload bytes, all sites", optional=True)
+    wan: dict[str, Any] | None = _f("diloco-sim's emulated links: per site and the coordinator's {up_mbit, down_mbit, rtt_ms, jitter_ms}", optional=True)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from diloco.outer import params_sha256
 from diloco.site.device import configure_cuda, resolve_device
 from diloco.site.inner import InnerTrainer, evaluate_loss
 from diloco.site.layouts.build import build_layout, close_site_group, init_site_group
-from diloco.site.outer_sync import OuterSync, SyncOptions
+from diloco.site.outer_sync import OuterSync, PendingRound, SyncOptions
+from diloco.site.loop import RoundLoop
 from diloco.transport import CoordinatorClient
 
 
@@ -112,14 +113,29 @@ def _sync_record(sync: OuterSync) -> dict[str, Any]:
     }
 
 
+def _overlap_record(site: _Site, cfg: RunConfig) -> dict[str, Any]:
+    """Compute utilization (time in inner steps over the time from joining to the last round
+    landed), stalls, and bytes per fragment."""
+    assert site.loop is not None
+    stats = site.loop.stats
+    util = stats.compute_utilization
+    return {
+        "compute_utilization": round(util, 4) if util is not None else None,
+        "stall_s": round(stats.stall_s, 4),
+        "stalls": stats.stalls if site.schedule.overlapped else None,
+        "fragment_bytes": site.fragment_bytes if cfg.fragments > 1 else None,
+        "sync_mode": site.schedule.mode,
+    }
+
+
 def _eval_due(sync: OuterSync) -> bool:
     """The coordinator asked the sites to evaluate θ after this round (every eval_every, and the last)."""
     return sync.eval_every > 0 and (sync.round % sync.eval_every == 0 or sync.finished)
 
 
 def _median_times(timings: list[dict[str, float]]) -> dict[str, float]:
-    keys = [k for k in (timings[0] if timings else {}) if k != "round"]
-    return {k: round(statistics.median(t[k] for t in timings), 5) for k in keys}
+    keys = [k for k in (timings[0] if timings else {}) if k != "round" and not k.startswith("bytes")]
+    return {k: round(statistics.median(t.get(k, 0.0) for t in timings), 5) for k in keys}
 
 
 def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None] = print, hooks: SiteHooks | None = None) -> dict[str, Any]:
@@ -146,8 +162,10 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id) as real_client:
         client = hooks.wrap(real_client) if hooks else real_client
         options = SyncOptions(
-            codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every
-        )
+            codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
+            fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
+            eager_lr=(cfg.outer.lr if cfg.outer is not None else 1.0) / cfg.sites,  # the site's 1/N share of the average, stepped at the outer lr
+        )  # fmt: skip
         sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None)
         try:
             site_hash = site.train(sync, shard)
@@ -165,10 +183,11 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         layout=layout_cfg.name,
         device=str(device),
         **_traffic(per_rank, layout.world),
-        inner_step_s_median=round(statistics.median(site.step_s), 5) if site.step_s else None,
-        steps_per_round={str(r): n for r, n in sorted(site.steps_per_round.items())},
+        inner_step_s_median=round(statistics.median(site.loop.stats.step_s), 5) if site.loop and site.loop.stats.step_s else None,
+        steps_per_round={str(r): n for r, n in sorted(site.loop.steps_per_round.items())} if site.loop else {},
         **_sync_record(sync),
         incarnation=opts.incarnation,
+        **_overlap_record(site, cfg),
         global_sha256=site_hash,
         wall_s=round(time.monotonic() - start, 3),
         peak_rss_mb=peak_rss_mb(),
@@ -191,35 +210,29 @@ class _Site:
         # site's count is at most one step behind.
         self.progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
         self.trained = 0
-        self.steps_per_round: dict[int, int] = {}  # inner steps this process ran per round (dynamic local steps)
-        self.step_s: list[float] = []  # wall time of every inner step
+        self.schedule = cfg.schedule  # when this site pushes and merges (diloco.site.overlap)
+        self.loop: RoundLoop | None = None
+        self.checkpointer: SiteCheckpointer | None = None
+        self.fragment_bytes: dict[str, dict[str, int]] = {}  # fragment -> payload bytes up and down
 
     def train(self, sync: OuterSync, shard: int) -> str:
         """Joins, trains every round, leaves; returns the hash of the site's whole θ."""
         cfg, opts, log = self.cfg, self.opts, self.log
         info = sync.join()
+        steps = self.schedule.round_steps
         # A site that joins late (or again, after a crash) starts its lr schedule and its
         # data where the run is; its inner optimizer state starts fresh.
-        self.trainer.steps_done = sync.round * cfg.sync_every
-        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation})")
+        self.trainer.steps_done = sync.round * steps
+        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation}; sync {self.schedule.mode})")
         # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
         one_rank = self.layout.world == 1
-        checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
-        if not _restore(checkpointer, sync, opts.site_id, log):
-            self.sampler.skip(sync.round * cfg.sync_every)  # the data goes on where the run is
-        while not sync.finished:
-            losses = self.inner_phase(sync.round)
-            round_tokens = len(losses) * self.sampler.tokens_per_batch
-            self.steps_per_round[sync.round] = len(losses)
-            digest = sync.sync(tokens=round_tokens, train_loss=self.layout.mean(sum(losses) / len(losses)), inner_steps=len(losses))
-            self.tokens += round_tokens
-            # After a dropped round the site continues at the open round's place in the schedule.
-            self.trainer.steps_done = sync.round * cfg.sync_every
-            if checkpointer and not sync.finished:
-                checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
-            log(f"site {opts.site_id} round {sync.round - 1} done: train_loss={losses[-1]:.4f} global {digest[:12]}")
-            if _eval_due(sync) and self.layout.forward_backward is None:
-                self.evaluate(sync)
+        self.checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
+        if not _restore(self.checkpointer, sync, opts.site_id, log):
+            self.sampler.skip(sync.round * steps)  # the data goes on where the run is
+        self.loop = RoundLoop(
+            sync, self.schedule, self._step, self.sampler.tokens_per_batch, lambda p, d: self._after_round(sync, p, d), mean=self.layout.mean, budget_s=cfg.inner_budget_s
+        )
+        self.loop.run()
         # The hash of the whole θ: of this rank's copy, or (sharded sites) of the whole
         # tensors gathered from the ranks once, at the end, only to verify it.
         site_hash = sync.global_sha256() if one_rank else params_sha256(self.layout.full_state())
@@ -228,28 +241,45 @@ class _Site:
             sync.leave(site_hash)
         return site_hash
 
-    def inner_phase(self, round: int) -> list[float]:
-        """Up to H inner steps (fewer with inner_budget_s); their losses."""
-        cfg = self.cfg
-        losses: list[float] = []
-        phase_start = time.monotonic()
-        for step in range(cfg.sync_every):
-            t0 = time.monotonic()
-            losses.append(self.trainer.step(*self.layout.batch(*self.sampler.next_batch())))
-            self.step_s.append(time.monotonic() - t0)
-            self.trained += self.sampler.tokens_per_batch
-            if self.layout.leader:
-                write_json_atomic(self.progress, records.to_dict(ProgressRecord(tokens=self.trained)), fsync=False)
-            if self.hooks:
-                self.hooks.after_step(round, step, cfg.sync_every, time.monotonic() - t0)
-            if cfg.inner_budget_s is not None and time.monotonic() - phase_start >= cfg.inner_budget_s:
-                break  # dynamic local steps: a slow site sends fewer steps, weighted by its tokens
-        return losses
+    def _step(self, round: int, step: int) -> float:
+        """One inner step, counted as it goes."""
+        t0 = time.monotonic()
+        loss = self.trainer.step(*self.layout.batch(*self.sampler.next_batch()))
+        self.trained += self.sampler.tokens_per_batch
+        if self.layout.leader:
+            write_json_atomic(self.progress, records.to_dict(ProgressRecord(tokens=self.trained)), fsync=False)
+        if self.hooks:
+            self.hooks.after_step(round, step, self.schedule.round_steps, time.monotonic() - t0)
+        return loss
+
+    def _after_round(self, sync: OuterSync, pending: PendingRound, digest: str) -> None:
+        """What follows a landed round: the tokens, the lr schedule after a catch-up, the site's
+        checkpoint, the log line and an evaluation when due."""
+        cfg, opts = self.cfg, self.opts
+        self.tokens += pending.header.tokens
+        fragment = str(pending.header.round % cfg.fragments)
+        counts = self.fragment_bytes.setdefault(fragment, {"up": 0, "down": 0})
+        counts["up"] += int(pending.times.get("bytes_up", 0))
+        counts["down"] += int(pending.times.get("bytes_down", 0))
+        # After a dropped round the site continues at the open round's place in the schedule
+        # (with overlap, plus the steps it trained since the push).
+        self.trainer.steps_done = sync.round * self.schedule.round_steps + self.loop.phase_steps
+        if self.checkpointer and not sync.finished:
+            self.checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
+        last = self.loop.last_loss.get(pending.header.round)
+        loss = f"train_loss={last:.4f} " if last is not None else ""
+        self.log(f"site {opts.site_id} round {pending.header.round} done: {loss}global {digest[:12]}")
+        if _eval_due(sync) and self.layout.forward_backward is None:
+            self.evaluate(sync)
 
     def evaluate(self, sync: OuterSync) -> None:
         """Evaluation by sites: the global θ the model now holds, on this site's own held-out data."""
         cfg = self.cfg
         if self.heldout is None:
             self.heldout = eval_batches(self.corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
-        loss, count = evaluate_loss(self.layout.model, self.heldout)
+        if self.schedule.mode == "blocking":
+            loss, count = evaluate_loss(self.layout.model, self.heldout)
+        else:
+            with sync.holding_global():  # the model is mid-phase (or merged): evaluate θ itself
+                loss, count = evaluate_loss(self.layout.model, self.heldout)
         sync.report_eval(sync.round - 1, loss, count)

@@ -44,6 +44,7 @@ class RoundRecord:
     clipped: list[dict[str, Any]] = field(default_factory=list)  # pushes counted scaled down (robust.action=clip): ..., scale
     # sharded sites' pushes: site -> per part {part, whole: tensors sent whole, sliced: tensors sent as slices, numel}
     sliced: dict[str, list[dict[str, int]]] = field(default_factory=dict)
+    fragment: int = 0  # the fragment of the parameters this round synced (fragments=F: round mod F)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the θ snapshot (kept in checkpoints, to rewrite lost metrics lines)."""
@@ -73,7 +74,7 @@ class UpdateEncoder:
         if self.feedback is not None:
             proposed = self.feedback.compensate(proposed)
         chunks = self.encode(proposed)
-        assembler = ChunkAssembler(self.specs)
+        assembler = ChunkAssembler({n: self.specs[n] for n in proposed})  # all tensors, or one fragment's
         for c in chunks:
             assembler.add(c)
         sent = assembler.finish()
@@ -115,10 +116,10 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
         except OuterStepRefused as e:
             refusal = str(e)
             if encoder.feedback is not None:
-                encoder.feedback.carry(residual)
+                encoder.feedback.residual = residual  # exactly as it was (carry would merge)
     if update is None:
         # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
-        update = {n: torch.zeros_like(p) for n, p in outer.params.items()}
+        update = {n: torch.zeros_like(outer.params[n]) for n in state.names}
         sent[:] = [encoder.encode(update)]
     pushed = sorted(state.pushes)
     headers = [state.pushes[s] for s in pushed]
@@ -139,6 +140,7 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
         clipped=list(state.clipped),
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
+        fragment=state.fragment,
         global_sha256=params_sha256(outer.params),
         wall_s=closing.now - state.opened_at,
         elapsed_s=closing.now - closing.started,

@@ -36,6 +36,7 @@ class CoordinatorConfig:
     max_sites: int | None = None  # sites=None: how many distinct site ids may join; None: no limit
     max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
     staging_timeout_s: float = 30.0  # a push waits this long for a staging buffer, then is told to retry (resource_exhausted)
+    fragments: int = 1  # streaming DiLoCo: round r syncs fragment r mod F of the parameters (diloco.outer.fragments)
 
     def __post_init__(self) -> None:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates", "max_tokens_per_push"):
@@ -54,6 +55,10 @@ class CoordinatorConfig:
                 raise ValueError("sites=(): name at least one site id that may join")
         if self.max_sites is not None and not (isinstance(self.max_sites, int) and self.max_sites >= 1):
             raise ValueError(f"max_sites={self.max_sites!r}: must be null or an integer >= 1")
+        if isinstance(self.fragments, bool) or not (isinstance(self.fragments, int) and self.fragments >= 1):
+            raise ValueError(f"fragments={self.fragments!r}: must be an integer >= 1")
+        if self.fragments > 1 and self.quorum.late == "merge":
+            raise ValueError(f"quorum.late=merge cannot be combined with fragments={self.fragments}: a late push belongs to another fragment than the open round's; use quorum.late=drop")
         if not self.staging_timeout_s > 0:
             raise ValueError(f"staging_timeout_s={self.staging_timeout_s}: must be > 0")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:

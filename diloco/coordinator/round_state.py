@@ -26,10 +26,13 @@ class RoundState:
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
     refused: list[dict[str, Any]] = field(default_factory=list)  # pushes judged and not counted (robust.*): site, round, figures
     clipped: list[dict[str, Any]] = field(default_factory=list)  # pushes counted scaled down (robust.action=clip)
+    names: tuple[str, ...] = ()  # the parameters this round syncs: all of them, or one fragment's
+    fragment: int = 0
 
     @staticmethod
-    def open(number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig) -> RoundState:
-        return RoundState(number=number, opened_at=opened_at, acc=make_aggregate(shapes, aggregate, robust))
+    def open(number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig, fragment: int = 0) -> RoundState:
+        """``shapes``: the parameters the round syncs (with fragments, fragment ``fragment``'s)."""
+        return RoundState(number=number, opened_at=opened_at, acc=make_aggregate(shapes, aggregate, robust), names=tuple(sorted(shapes)), fragment=fragment)
 
     def take(
         self, header: PushHeader, delta: Mapping[str, torch.Tensor], now: float, sliced: list[dict[str, int]] | None, judged: NormVerdict | None = None

@@ -42,6 +42,7 @@ from diloco.coordinator.staging import StagingPool
 from diloco.coordinator.verdict import PushFacts, push_verdict
 from diloco.errors import CoordinatorError
 from diloco.outer import NormBound, NormVerdict, OuterConfig, OuterOptimizer, params_sha256
+from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.outer.robust import judged_size
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
@@ -97,6 +98,7 @@ class Coordinator:
         self._hash = ""
         self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
         self._start = clock()
+        self._split: tuple[tuple[str, ...], ...] = ((),)
         self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust)
         if params is not None:
             self._install(params, cfg.init_source)
@@ -117,10 +119,41 @@ class Coordinator:
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._encoder = UpdateEncoder.of(self.cfg.codec_down.build(), self._specs, self.cfg.chunk_bytes, self.cfg.error_feedback_down)
         self._downlink = Downlink(self._specs, self.cfg.keep_updates)
-        self._round = RoundState.open(self._open, self._clock(), self._shapes, self.cfg.aggregate, self.cfg.robust)
+        self._split = split_fragments(self._shapes, self.cfg.fragments)  # ValueError: more fragments than layers
+        self._round = self._open_round(self._open, self._clock())
         self._hash = params_sha256(self._outer.params)
         self.init_from = source
         self._ready = True
+
+    # ---- fragments (streaming DiLoCo): round r syncs fragment r mod F -----------------------
+    def _open_round(self, number: int, opened_at: float) -> RoundState:
+        fragment = fragment_of_round(number, self.cfg.fragments)
+        names = self._split[fragment] if len(self._split) > fragment else ()  # before θ₀ (init=site): none
+        return RoundState.open(number, opened_at, {n: self._shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust, fragment)
+
+    def _round_specs(self, round: int) -> dict[str, TensorSpec]:
+        """The tensors a push for ``round`` carries: every one, or its fragment's."""
+        return {n: self._specs[n] for n in self._split[fragment_of_round(round, self.cfg.fragments)]}
+
+    def _check_fragment(self, round: int, name: str) -> None:
+        """A chunk of a tensor that round ``round``'s fragment does not hold is refused, saying
+        which fragment it belongs to (an unknown name is left to the assembler to name)."""
+        if self.cfg.fragments == 1:
+            return
+        fragment = fragment_of_round(round, self.cfg.fragments)
+        if name in self._split[fragment]:
+            return
+        owner = next((i for i, part in enumerate(self._split) if name in part), None)
+        if owner is not None:
+            raise CoordinatorError(
+                "invalid_argument", f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {self.cfg.fragments}"
+            )
+
+    @property
+    def fragments(self) -> tuple[tuple[str, ...], ...]:
+        """The split of the parameters into fragments (one fragment, every name, by default)."""
+        with self._cv:
+            return self._split
 
     # ---- read-only views -------------------------------------------------------------
     @property
@@ -178,14 +211,14 @@ class Coordinator:
             return self._members.active
 
     # ---- membership ------------------------------------------------------------------
-    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "") -> JoinInfo:
+    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0) -> JoinInfo:
         """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
         first site that can upload becomes its source (``JoinInfo.upload_init``); the others
         wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
         why = site_id_problem(site_id)
         if why is not None:
             raise CoordinatorError("invalid_argument", why)
-        self._check_settings(site_id, sync_every, codec)
+        self._check_settings(site_id, sync_every, codec, fragments)
         specs = list(specs)
         with self._cv:
             self._require_healthy()
@@ -233,8 +266,10 @@ class Coordinator:
             total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.quorum.lease_s, upload_init=upload_init, eval_every=self.cfg.site_eval_every
         )
 
-    def _check_settings(self, site_id: str, sync_every: int, codec: str) -> None:
-        """A site that says its H or its uplink codec must say the coordinator's."""
+    def _check_settings(self, site_id: str, sync_every: int, codec: str, fragments: int = 0) -> None:
+        """A site that says its H, its number of fragments or its uplink codec must say the coordinator's."""
+        if fragments and fragments != self.cfg.fragments:
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} has fragments={fragments}, this run has fragments={self.cfg.fragments}: use the run's value")
         if sync_every and self.cfg.sync_every is not None and sync_every != self.cfg.sync_every:
             raise CoordinatorError(
                 "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"
@@ -414,9 +449,10 @@ class Coordinator:
         chunks = iter(chunks)
         first = next(chunks, None)
         with self._staging.take(header.site_id) as staging:
-            assembler = ChunkAssembler(self._specs, out=staging)
+            assembler = ChunkAssembler(self._round_specs(header.round), out=staging)
             try:
                 for chunk, values in itertools.chain([first] if first is not None else [], chunks):
+                    self._check_fragment(header.round, chunk.name)
                     assembler.add(chunk, values)
                 delta = assembler.finish()
             except CodecError as e:
@@ -471,7 +507,7 @@ class Coordinator:
         if verdict == "duplicate":
             return _duplicate(header)
         try:
-            kept, boxes, payload = check_part(self._specs, chunks)
+            kept, boxes, payload = check_part(self._round_specs(header.round), (self._check_fragment(header.round, c.name) or c for c in chunks))
         except CodecError as e:
             raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
         with self._cv:
@@ -578,7 +614,7 @@ class Coordinator:
             # Parts of pushes for rounds that can no longer be taken (refused, or too late to merge).
             stale = self.cfg.quorum.max_staleness if self.cfg.quorum.late == "merge" else 0
             self._parts.prune(lambda rnd: self._open - rnd <= stale)
-            self._round = RoundState.open(self._open, pending.closed_at, self._shapes, self.cfg.aggregate, self.cfg.robust)
+            self._round = self._open_round(self._open, pending.closed_at)
             self._cv.notify_all()
         for listener in self.on_commit:
             listener(record)
@@ -632,7 +668,7 @@ class Coordinator:
             self._merged_done = {(str(s), int(r)) for s, r in state.get("merged_done", [])}
             self._downlink.clear()
             self._parts.clear()
-            self._round = RoundState.open(committed, self._clock(), self._shapes, self.cfg.aggregate, self.cfg.robust)
+            self._round = self._open_round(committed, self._clock())
             last = self._records.get(committed - 1)
             if last is not None:  # elapsed_s goes on from where the predecessor stopped
                 self._start = self._round.opened_at - float(last["elapsed_s"])

@@ -32,8 +32,8 @@ class ErrorFeedback:
         if e is None:
             return dict(x)
         if self.decay == 1.0:
-            return {n: v + e[n] for n, v in x.items()}
-        return {n: v + self.decay * e[n] for n, v in x.items()}
+            return {n: v + e[n] if n in e else v for n, v in x.items()}
+        return {n: v + self.decay * e[n] if n in e else v for n, v in x.items()}
 
     @staticmethod
     def error(intended: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor]) -> Tensors:
@@ -41,5 +41,10 @@ class ErrorFeedback:
         return {n: intended[n] - sent[n] for n in intended}
 
     def carry(self, residual: Tensors | None) -> None:
-        """Keeps ``residual`` (``error(intended, sent)`` of a message that counted) for the next one."""
-        self.residual = residual
+        """Keeps ``residual`` (``error(intended, sent)`` of a message that counted) for the next
+        one. A residual of some tensors only (one fragment's) replaces theirs and keeps the
+        others'; None forgets every residual."""
+        if residual is None or self.residual is None:
+            self.residual = residual
+        else:
+            self.residual = {**self.residual, **residual}

@@ -97,15 +97,21 @@ class OuterOptimizer:
         mean_delta: Mapping[str, torch.Tensor],
         transmit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """One outer step; returns the update ũ that was applied (what the sites apply)."""
-        before = {n: p.clone() for n, p in self.params.items()}
+        """One outer step over the parameters ``mean_delta`` names (all of them, or one
+        fragment's: the others, and their optimizer state, do not move); returns the update ũ
+        that was applied (what the sites apply)."""
+        names = [n for n in self.names if n in mean_delta]
+        unknown = sorted(set(mean_delta) - set(self.names))
+        if unknown or not names:
+            raise OuterStepRefused(f"the outer step needs a Δ of this model's parameters; got {len(names)} known and unknown {unknown[:3]}")
+        before = {n: self.params[n].clone() for n in names}
         saved = copy.deepcopy(self._opt.state_dict())
         try:
-            for n in self.names:
+            for n in names:
                 self.params[n].grad = mean_delta[n].detach().clone()
-            self._opt.step()
+            self._opt.step()  # parameters without a gradient are skipped, their state untouched
             proposed = {}
-            for n in self.names:
+            for n in names:
                 p = self.params[n]
                 proposed[n] = p - before[n]
                 p.grad = None
@@ -114,14 +120,14 @@ class OuterOptimizer:
             sent = transmit(proposed) if transmit is not None else proposed
             check_update("update as sent", sent, before)
         except Exception as e:
-            for n in self.names:
+            for n in names:
                 self.params[n].grad = None
                 self.params[n].copy_(before[n])
             self._opt.load_state_dict(saved)
             if isinstance(e, OuterStepRefused):
                 raise
             raise OuterStepRefused(f"the outer step failed: {type(e).__name__}: {e}") from e
-        for n in self.names:
+        for n in names:
             self.params[n].add_(sent[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
         return sent
 

@@ -22,6 +22,7 @@ from diloco.wire.fingerprint import fingerprint, mismatches
 from diloco.coordinator.init_file import load_init_file
 from diloco.data import load_corpus
 from diloco.model import build_model, is_builtin
+from diloco.outer.fragments import split_fragments
 from diloco.site.device import resolve_device
 from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_dict, read_fired
 from diloco.app import records
@@ -63,7 +64,7 @@ def sim_faults(d: Mapping[str, Any] | None, cfg: RunConfig) -> FaultsConfig:
         raise ConfigError(f"unknown config key(s) {', '.join('faults.' + k for k in unknown)}; known: events")
     try:
         faults = FaultsConfig(events=tuple(d.get("events") or ()))
-        faults.check_against(cfg.sites, cfg.rounds)
+        faults.check_against(cfg.sites, cfg.sync_rounds)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return faults
@@ -175,8 +176,10 @@ def check_before_start(cfg: RunConfig) -> None:
     init file that does not load or does not fit the model the sites build."""
     try:
         resolve_device(cfg.device)
-        if cfg.init.source == "file" or not is_builtin(cfg.model):
+        if cfg.init.source == "file" or not is_builtin(cfg.model) or cfg.fragments > 1:
             model = build_model(cfg.model, cfg.seed)
+            if cfg.fragments > 1:
+                split_fragments({n: p.shape for n, p in model.named_parameters()}, cfg.fragments)
             if cfg.init.source == "file":
                 problems = mismatches(fingerprint(load_init_file(str(cfg.init.path))), fingerprint(dict(model.named_parameters())).values())
                 if problems:
@@ -320,7 +323,7 @@ def _progress_line(m: dict[str, Any], cfg: RunConfig) -> str:
     ev = f"{m[key]:.4f}" if m.get(key) is not None else "  -   "
     loss = f"{m['train_loss']:.4f}" if m.get("train_loss") is not None else "-"
     return (
-        f"round {m['round'] + 1:>3}/{cfg.rounds}  workers {len(m['participants'])}  train_loss {loss}  "
+        f"round {m['round'] + 1:>3}/{cfg.sync_rounds}  workers {len(m['participants'])}  train_loss {loss}  "
         f"{kind} {ev}  up {m['bytes_up'] / 1e6:8.2f} MB  down {(m['bytes_down'] or 0) / 1e6:8.2f} MB  {m['elapsed_s']:7.1f} s"
     )
 
@@ -377,5 +380,26 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         # Per process, in MiB; in the baselines rank 0 plays the coordinator's part in global.json.
         peak_rss_mb={**({"coordinator": g.peak_rss_mb} if cfg.mode == "diloco" else {}), **{sid: w.peak_rss_mb for sid, w in workers.items()}},
         run_dir=str(run_dir),
+        **_overlap_summary(cfg, workers),
     )
     return records.to_dict(summary)
+
+
+def _overlap_summary(cfg: RunConfig, workers: dict[str, WorkerRecord]) -> dict[str, Any]:
+    """Per site and for the run: compute utilization, stalls, bytes per fragment."""
+    if cfg.mode != "diloco":
+        return {}
+    util = {sid: w.compute_utilization for sid, w in workers.items() if w.compute_utilization is not None}
+    if util:
+        util["run"] = round(sum(util.values()) / len(util), 4)
+    frags: dict[str, dict[str, int]] = {}
+    for w in workers.values():
+        for f, b in (w.fragment_bytes or {}).items():
+            into = frags.setdefault(f, {"up": 0, "down": 0})
+            into["up"] += b["up"]
+            into["down"] += b["down"]
+    return {
+        "compute_utilization": util or None,
+        "stall_s": {sid: w.stall_s for sid, w in workers.items() if w.stall_s is not None} or None,
+        "fragment_bytes": dict(sorted(frags.items())) or None,
+    }

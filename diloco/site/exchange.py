@@ -63,6 +63,7 @@ def exchange(
         finally:
             times["push_s"] += time.perf_counter() - t
         stats.bytes_up += result.payload_bytes
+        times["bytes_up"] = result.payload_bytes
         if result.refused or result.clipped:
             log(f"site {site}: round {r} push {'not counted' if result.refused else 'counted scaled down'} by the coordinator: {result.refused or result.clipped}")
         applied = RoundOutcome(refused=True) if result.refused else APPLIED

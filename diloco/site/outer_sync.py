@@ -9,9 +9,10 @@ model state) and ``finish`` (apply, load into the model). ``sync`` does all thre
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from diloco.codec import CodecConfig, best_settings, codec_config, get_codec, is_lossless
 from diloco.outer import ErrorFeedback, apply_update, params_sha256, pseudo_gradient
+from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.site.exchange import Assembler, Timeouts, assemble, exchange
 from diloco.site.heartbeat import Heartbeat
 from diloco.site.host_copy import HostMirror
@@ -38,6 +40,20 @@ class SyncOptions:
     chunk_bytes: int = MAX_CHUNK_BYTES
     sync_every: int = 0  # told to the coordinator at Join (0: not said), which refuses another H
     timeouts: Timeouts = field(default_factory=Timeouts)
+    fragments: int = 1  # streaming: round r syncs fragment r mod F (told at Join; the coordinator refuses another F)
+    alpha: float = 0.0  # a landed fragment is merged into the model as α·local + (1−α)·global (0: replaced)
+    # Where each round's Δ is measured from: "global" (θ, DiLoCo and streaming), or the inner
+    # phase's own start point, which the site sets when it pushes without waiting for the
+    # round: "delayed" (θ as known then, one round old) or "eager" (that θ moved by the site's
+    # own fresh Δ, scaled by eager_lr, in place of the average still in flight).
+    start_point: str = "global"
+    eager_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha!r}: must be in [0, 1]")
+        if self.start_point not in ("global", "delayed", "eager"):
+            raise ValueError(f"start_point={self.start_point!r}: must be global, delayed or eager")
 
 
 @dataclass
@@ -49,6 +65,8 @@ class PendingRound:
     chunks: list[Chunk]
     residual: dict[str, torch.Tensor] | None  # the uplink error if this push counts
     times: dict[str, float]
+    names: tuple[str, ...] = ()  # the parameters this round syncs (its fragment's)
+    delta: dict[str, torch.Tensor] | None = None  # the site's own Δ (kept for an eager start point)
     outcome: RoundOutcome | None = None
     update: Assembler | None = None
 
@@ -99,6 +117,8 @@ class OuterSync:
         self.eval_every = 0  # evaluation by sites: the coordinator's JoinInfo.eval_every
         self._eval: SiteEval | None = None  # an evaluation to report with the next push (or leave)
         self.uploaded_init = False  # this site sent θ₀ (init=site)
+        self.split = split_fragments({n: s.shape for n, s in self._specs.items()}, opts.fragments)
+        self._start: dict[str, torch.Tensor] | None = None  # the inner phase's start point (start_point delayed/eager)
 
     @property
     def residual(self) -> dict[str, torch.Tensor] | None:
@@ -137,7 +157,9 @@ class OuterSync:
         can_upload = self.layout.world == 1  # θ₀ is sent whole, by a one-rank site
 
         def join() -> JoinInfo:
-            return self.client.join(self.site_id, self._specs.values(), can_upload=can_upload, sync_every=self.options.sync_every, codec=self.codec.name)
+            return self.client.join(
+                self.site_id, self._specs.values(), can_upload=can_upload, sync_every=self.options.sync_every, codec=self.codec.name, fragments=self.options.fragments
+            )
 
         return retrying(join, limit_s=max(t.reconnect_timeout_s, t.round_timeout_s), what=f"site {self.site_id} join", log=self._log)
 
@@ -165,8 +187,19 @@ class OuterSync:
             self._heartbeat.stop()
             self._heartbeat = None
 
-    def _assembler(self) -> ChunkAssembler | SliceAssembler:
-        return ChunkAssembler(self._specs) if self._want is None else SliceAssembler(self._specs, self._want)
+    def _assembler(self, names: tuple[str, ...] | None = None) -> ChunkAssembler | SliceAssembler:
+        """For θ whole (``names`` None) or a round's update (its fragment's tensors)."""
+        if self._want is None:
+            return ChunkAssembler(self._specs if names is None else {n: self._specs[n] for n in names})
+        return SliceAssembler(self._specs, self._want if names is None else self._round_want(names))
+
+    def _round_want(self, names: tuple[str, ...]) -> dict:
+        assert self._want is not None
+        return {n: b for n, b in self._want.items() if n in names}
+
+    def names_of(self, round: int) -> tuple[str, ...]:
+        """The parameters round ``round`` syncs: all of them, or its fragment's."""
+        return self.split[fragment_of_round(round, self.options.fragments)]
 
     def _pull_global(self) -> None:
         status, chunks = self.client.pull_global(self.site_id, self._want)
@@ -175,12 +208,54 @@ class OuterSync:
         self.stats.bytes_down += assembler.payload_bytes
         self.round = status.committed_rounds
         self._load_global_into_model()
+        self._start = self._host_copy_of_model() if self.options.start_point != "global" else None
         if self.round > 0 and self._want is None:
             self.stats.round_hashes[self.round - 1] = params_sha256(self.global_params)
 
-    def _load_global_into_model(self) -> None:
-        HostMirror.load({n: h.tensor for n, h in self.layout.held().items()}, self.global_params)
+    def _load_global_into_model(self, names: tuple[str, ...] | None = None, alpha: float = 0.0) -> None:
+        """The model's parameters (``names``: only those) ← θ, or with ``alpha`` > 0 the merge
+        α·local + (1−α)·θ (streaming DiLoCo's; the site's θ itself stays exact)."""
+        held = {n: h.tensor for n, h in self.layout.held().items() if names is None or n in names}
+        values = {n: self.global_params[n] for n in held}
+        if alpha > 0:
+            local = self._host.host(held)
+            values = {n: torch.lerp(values[n], local[n].float(), alpha) for n in held}
+        HostMirror.load(held, values)
         self.layout.after_pull()
+
+    def _host_copy_of_model(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in self._host.host({n: h.tensor for n, h in self.layout.held().items()}).items()}
+
+    def restart_phase(self, pending: PendingRound) -> None:
+        """start_point delayed/eager, right after pushing ``pending`` without waiting for it: the
+        next inner phase starts from θ as known now (delayed), or from θ − eager_lr·Δ with the
+        site's own Δ of the round just pushed in place of the average still in flight (eager)."""
+        mode = self.options.start_point
+        assert mode in ("delayed", "eager") and (mode == "delayed" or pending.delta is not None)
+        start = {n: t.clone() for n, t in self.global_params.items()}
+        if mode == "eager" and pending.delta is not None:
+            for n, d in pending.delta.items():
+                start[n].sub_(d, alpha=self.options.eager_lr)
+        held = {n: h.tensor for n, h in self.layout.held().items()}
+        HostMirror.load(held, start)
+        self.layout.after_pull()
+        self._start = start
+
+    @contextlib.contextmanager
+    def holding_global(self) -> Iterator[None]:
+        """The model holds θ inside the block (to evaluate it) and its own values again after."""
+        held = {n: h.tensor for n, h in self.layout.held().items()}
+        saved = self._host_copy_of_model()
+        HostMirror.load(held, self.global_params)
+        try:
+            yield
+        finally:
+            HostMirror.load(held, saved)
+
+    def load_global(self) -> None:
+        """The model ← θ whole (the end of a run whose last phase started elsewhere)."""
+        self._load_global_into_model()
+        self._start = self._host_copy_of_model() if self.options.start_point != "global" else None
 
     # ---- a round -------------------------------------------------------------------------
     def sync(self, *, tokens: int, train_loss: float, inner_steps: int) -> str:
@@ -198,9 +273,12 @@ class OuterSync:
         """Δ of this round (with the error feedback), encoded, and the header of its push."""
         r = self.round
         t0 = time.perf_counter()
-        pushed = {n: h for n, h in self.layout.held().items() if h.push}
+        names = self.names_of(r)
+        pushed = {n: h for n, h in self.layout.held().items() if h.push and n in names}
         local = self._host.host({n: h.tensor for n, h in pushed.items()})
-        delta = pseudo_gradient({n: self.global_params[n] for n in pushed}, local)
+        reference = self.global_params if self._start is None else self._start
+        delta = pseudo_gradient({n: reference[n] for n in pushed}, local)
+        own = {n: d.clone() for n, d in delta.items()} if self.options.start_point == "eager" else None
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
         t1 = time.perf_counter()
@@ -208,22 +286,23 @@ class OuterSync:
         chunks = list(encode_chunks(delta, codec=self.codec, chunk_bytes=self.options.chunk_bytes, boxes=boxes))
         residual = None
         if self.feedback is not None:
-            sent = ChunkAssembler(self._specs) if self._want is None else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
+            sent = ChunkAssembler({n: self._specs[n] for n in pushed}) if self._want is None else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
             residual = ErrorFeedback.error(delta, assemble(chunks, sent).finish())
         header = PushHeader(
             site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps, part=self.layout.rank, parts=self.layout.world,
             eval=self._eval if self.layout.leader else None,
         )  # fmt: skip
         times = {"round": r, "delta_s": t1 - t0, "encode_s": time.perf_counter() - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
-        return PendingRound(header, chunks, residual, times)
+        return PendingRound(header, chunks, residual, times, names=names, delta=own)
 
     def exchange(self, pending: PendingRound) -> PendingRound:
         """Push, wait, pull: the network part of a round. Reads and writes no model state, so it
         may run on another thread while the next inner phase trains."""
         if self.before_push is not None:
             self.before_push(pending.header.round)
+        want = None if self._want is None else self._round_want(pending.names)
         pending.outcome, pending.update = exchange(
-            self.client, pending.header, pending.chunks, self._assembler, self._want, self.options.timeouts, self.stats, pending.times, self._log
+            self.client, pending.header, pending.chunks, lambda: self._assembler(pending.names), want, self.options.timeouts, self.stats, pending.times, self._log
         )
         return pending
 
@@ -242,7 +321,10 @@ class OuterSync:
         t3 = time.perf_counter()
         apply_update(self.global_params, pending.update.finish())
         self.stats.bytes_down += pending.update.payload_bytes
-        self._load_global_into_model()
+        pending.times["bytes_down"] = pending.update.payload_bytes
+        if self._start is None:  # else the model is mid-phase from its own start point (restart_phase)
+            whole = self.options.fragments == 1
+            self._load_global_into_model(None if whole else pending.names, self.options.alpha)
         pending.times["apply_s"] = time.perf_counter() - t3  # decoding happened as the chunks arrived (pull_s)
         self.stats.timings.append(pending.times)
         self.round = r + 1

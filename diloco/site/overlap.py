@@ -1,0 +1,112 @@
+"""When a site syncs, and what it does meanwhile: the schedule of pushes and merges, and the
+round in flight on a background thread.
+
+Four ways to sync (``SyncSchedule``), all over the same coordinator rounds:
+
+* blocking (DiLoCo): every H steps the site pushes Δ, waits for the round and loads θ.
+* streaming (``fragments`` F > 1 and/or ``overlap_steps`` τ > 0, arXiv 2501.18512): a round
+  every H/F steps, each syncing one fragment; the site pushes and trains τ more steps while
+  the round is in flight, then merges the landed fragment (α·local + (1−α)·θ). τ < H/F, so
+  one round is in flight at a time.
+* delayed / eager (arXiv 2502.12996): the whole sync overlaps the next inner phase; that phase
+  starts from θ as known (delayed: one round old) or from θ moved by the site's own fresh Δ
+  (eager); the round lands at the end of that phase, before the next push.
+
+The inner loop blocks on the network only when a merge is due and its round has not landed
+(``InFlight.land``), and counts that time as a stall.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from diloco.site.outer_sync import OuterSync, PendingRound
+
+OUTER_MODES = ("blocking", "eager", "delayed")
+
+
+@dataclass(frozen=True)
+class SyncSchedule:
+    sync_every: int  # H
+    fragments: int = 1  # F
+    overlap_steps: int = 0  # τ
+    outer_mode: str = "blocking"
+
+    def problem(self) -> str | None:
+        """What cannot work, naming the field; None when the schedule is sound."""
+        for name in ("sync_every", "fragments"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                return f"{name}={v!r}: must be an integer >= 1"
+        if self.outer_mode not in OUTER_MODES:
+            return f"outer_mode={self.outer_mode!r}: must be one of {', '.join(OUTER_MODES)}"
+        if self.sync_every % self.fragments:
+            return f"sync_every={self.sync_every} is not divisible by fragments={self.fragments}: a fragment syncs every H/F steps"
+        tau = self.overlap_steps
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+            return f"overlap_steps={tau!r}: must be an integer >= 0"
+        if tau >= self.round_steps:
+            return f"overlap_steps={tau}: must be below sync_every/fragments = {self.round_steps} (one round in flight at a time)"
+        if self.outer_mode != "blocking" and (self.fragments > 1 or tau > 0):
+            return f"outer_mode={self.outer_mode} overlaps the whole sync with the next inner phase; it cannot be combined with fragments={self.fragments} or overlap_steps={tau} (use outer_mode=blocking for streaming)"
+        return None
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps between two pushes (a coordinator round): H/F."""
+        return self.sync_every // self.fragments
+
+    @property
+    def overlapped(self) -> bool:
+        """The site pushes without waiting for the round."""
+        return self.overlap_steps > 0 or self.outer_mode != "blocking"
+
+    @property
+    def mode(self) -> str:
+        if self.outer_mode != "blocking":
+            return self.outer_mode
+        return "streaming" if self.fragments > 1 or self.overlap_steps > 0 else "blocking"
+
+    @property
+    def land_after(self) -> int | None:
+        """Steps after a push at which its round is merged (streaming: τ); None: at the end of
+        the next inner phase, before its push (delayed, eager)."""
+        return self.overlap_steps if self.outer_mode == "blocking" else None
+
+
+class InFlight:
+    """At most one round's exchange (push, wait, pull) running on a background thread."""
+
+    def __init__(self, sync: OuterSync) -> None:
+        self._sync = sync
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="site-sync")
+        self._future: Future[PendingRound] | None = None
+        self.stall_s = 0.0  # the inner loop's wait for rounds that had not landed when due
+        self.stalls = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._future is not None
+
+    def launch(self, pending: PendingRound) -> None:
+        assert self._future is None, "one round in flight at a time"
+        self._future = self._pool.submit(self._sync.exchange, pending)
+
+    def land(self) -> PendingRound:
+        """The round in flight, once its exchange is done (re-raising what it raised); the wait
+        counts as a stall when it had not finished."""
+        assert self._future is not None, "no round in flight"
+        future, self._future = self._future, None
+        if not future.done():
+            t = time.perf_counter()
+            try:
+                return future.result()
+            finally:
+                self.stall_s += time.perf_counter() - t
+                self.stalls += 1
+        return future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

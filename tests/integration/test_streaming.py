@@ -1,0 +1,169 @@
+"""Streaming fragments, overlap and eager/delayed outer steps through a real gRPC coordinator
+on 127.0.0.1:0, on hand-computed traces: every inner step moves each parameter by -1 (a
+constant gradient), the outer optimizer is SGD with known rates, so every value the site
+pushes, merges and ends with is a small binary fraction computed by hand below."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.errors import RemoteError
+from diloco.outer import OuterConfig
+from diloco.site.loop import RoundLoop
+from diloco.site.outer_sync import OuterSync, SyncOptions
+from diloco.site.overlap import SyncSchedule
+from diloco.transport import CoordinatorClient, serve
+from diloco.wire import encode_chunks
+from diloco.codec import get_codec
+from diloco.types import PushHeader
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class TwoLayers(nn.Module):
+    """Parameters blocks.0.w and blocks.1.w (two elements each): fragments=2 puts one in each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ParameterDict({"w": nn.Parameter(torch.zeros(2))}) for _ in range(2)])
+
+
+def _params(model: nn.Module) -> dict[str, float]:
+    return {n: float(p.detach()[0]) for n, p in model.named_parameters()}
+
+
+class Site:
+    """A coordinator (outer SGD) on 127.0.0.1:0 and one site's OuterSync, stopped at the end."""
+
+    def __init__(self, rounds: int, options: SyncOptions, outer: OuterConfig) -> None:
+        self.model = TwoLayers()
+        theta0 = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
+        self.coordinator = Coordinator(theta0, outer, CoordinatorConfig(total_rounds=rounds, fragments=options.fragments))
+        self.server, port = serve(self.coordinator, "127.0.0.1", 0)
+        self.client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30)
+        self.sync = OuterSync(self.model, self.client, "0", options)
+        self.pushed: list[dict[str, float]] = []  # Δ of each round, as computed
+        self.phase_starts: list[dict[str, float]] = []  # the model when each inner phase began
+        begin = self.sync.begin
+
+        def recording_begin(**kw: object) -> object:
+            pending = begin(**kw)  # type: ignore[arg-type]
+            self.pushed.append({c.name: float(torch.frombuffer(bytearray(c.payload[:4]), dtype=torch.float32)[0]) for c in pending.chunks})
+            return pending
+
+        self.sync.begin = recording_begin  # type: ignore[method-assign]
+
+    def step(self, _round: int, step: int) -> float:
+        if step == 0:
+            self.phase_starts.append(_params(self.model))
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.sub_(1.0)
+        return 1.0
+
+    def run(self, schedule: SyncSchedule) -> RoundLoop:
+        self.sync.join()
+        loop = RoundLoop(self.sync, schedule, self.step, tokens_per_step=1)
+        loop.run()
+        return loop
+
+    def close(self) -> None:
+        self.sync.close()
+        self.client.close()
+        self.server.stop(grace=None).wait(5)
+
+
+@pytest.fixture
+def site_factory() -> Iterator:
+    made: list[Site] = []
+
+    def make(rounds: int, options: SyncOptions, outer: OuterConfig) -> Site:
+        made.append(Site(rounds, options, outer))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+SGD_HALF = OuterConfig(name="SGD", lr=0.5, momentum=0.0, nesterov=False)
+A, B = "blocks.0.w", "blocks.1.w"
+
+
+def test_two_fragments_overlap_one_step_alpha_half_by_hand(site_factory) -> None:
+    # H=4, F=2: a round every 2 steps, fragment r mod 2; τ=1, α=0.5; outer SGD lr 0.5.
+    # Local L, global G per fragment, both 0 at first; each step L -= 1.
+    # r0: 2 steps -> L=(-2,-2); push frag 0: Δ=0-(-2)=2.
+    # r1: step -> (-3,-3); land r0: G0=0-0.5*2=-1, L0=.5*-3+.5*-1=-2; step -> (-3,-4); push frag 1: Δ=0-(-4)=4.
+    # r2: step -> (-4,-5); land r1: G1=-2, L1=.5*-5+.5*-2=-3.5; step -> (-5,-4.5); push frag 0: Δ=-1-(-5)=4.
+    # r3: step -> (-6,-5.5); land r2: G0=-1-2=-3, L0=.5*-6+.5*-3=-4.5; step -> (-5.5,-6.5); push frag 1: Δ=-2-(-6.5)=4.5.
+    # end: land r3: G1=-2-2.25=-4.25, L1=.5*-6.5+.5*-4.25=-5.375.
+    site = site_factory(4, SyncOptions(fragments=2, alpha=0.5), SGD_HALF)
+    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1))
+    assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.5}]
+    assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.25}
+    assert _params(site.model) == {A: -5.5, B: -5.375}
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+    assert loop.steps_per_round == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert site.coordinator.fragments == ((A,), (B,))
+
+
+def test_blocking_fragments_replace_each_landed_fragment(site_factory) -> None:
+    # The same with τ=0, α=0: each round lands before the next step and replaces its fragment.
+    # r0: (-2,-2), Δ0=2, G0=-1, L0=-1. r1: (-3,-4), Δ1=4, G1=-2, L1=-2.
+    # r2: (-5,-4), Δ0=-1+5=4, G0=-3, L0=-3. r3: (-5,-6), Δ1=-2+6=4, G1=-4, L1=-4.
+    site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
+    site.run(SyncSchedule(sync_every=4, fragments=2))
+    assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
+    assert _params(site.model) == {A: -5.0, B: -4.0}  # fragment 0 trained on after r2
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+
+
+SGD_MOMENTUM = OuterConfig(name="SGD", lr=0.5, momentum=0.5, nesterov=False)
+
+
+@pytest.mark.parametrize(
+    "mode, starts",
+    [
+        # eager (1 site: eager_lr = lr / 1 = 0.5): each phase starts from θ − 0.5 Δ_own.
+        # p0=0; phase 0 -> -2, Δ0=2, p1=0-1=-1. phase 1 -> -3; land r0: buf=2, G=-1; Δ1=-1+3=2; p2=-1-1=-2.
+        # phase 2 -> -4; land r1: buf=.5*2+2=3, G=-1-1.5=-2.5; Δ2=-2+4=2; p3 (unused).
+        ("eager", [0.0, -1.0, -2.0]),
+        # delayed: each phase starts from θ as known (one round old): p1=0, p2=G after r0=-1.
+        ("delayed", [0.0, 0.0, -1.0]),
+    ],
+)
+def test_eager_and_delayed_start_points_by_hand(site_factory, mode: str, starts: list[float]) -> None:
+    # Both push Δ = 2 every round (the phase's own progress); the coordinator's θ is then the
+    # same SGD(lr .5, momentum .5) sequence: G = -1, -2.5, then buf=.5*3+2=3.5 -> -4.25; the
+    # model ends at θ.
+    site = site_factory(3, SyncOptions(start_point=mode, eager_lr=0.5), SGD_MOMENTUM)
+    loop = site.run(SyncSchedule(sync_every=2, outer_mode=mode))
+    assert [s[A] for s in site.phase_starts] == starts
+    assert [p[A] for p in site.pushed] == [2.0, 2.0, 2.0]
+    assert _params(site.model) == {A: -4.25, B: -4.25}
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+    assert loop.stats.stall_s >= 0 and loop.stats.compute_utilization is not None
+
+
+def test_a_push_of_another_fragment_is_refused_saying_so(site_factory) -> None:
+    site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
+    site.sync.join()
+    header = PushHeader(site_id="0", round=0, tokens=1, train_loss=1.0, inner_steps=1)
+    chunks = list(encode_chunks({B: torch.ones(2)}, codec=get_codec("fp32")))
+    with pytest.raises(RemoteError) as e:
+        site.client.push(header, iter(chunks))
+    assert e.value.kind == "invalid_argument"
+    assert "of fragment 1; round 0 syncs fragment 0 of 2" in str(e.value)
+    assert site.coordinator.committed_rounds == 0
+
+
+def test_a_site_with_another_number_of_fragments_is_refused_at_join(site_factory) -> None:
+    site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
+    with pytest.raises(RemoteError, match="fragments=1, this run has fragments=2"):
+        site.client.join("0", site.sync.layout.specs.values(), fragments=1)

@@ -1,0 +1,107 @@
+"""The fragment split (strided over the layers, deterministic), the sync schedule's checks, and
+the run config refusing what streaming, overlap and eager cannot do, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.app.config import ConfigError, run_config_from_dict
+from diloco.model import build_model, model_config
+from diloco.outer.fragments import describe, fragment_of_round, layer_of, split_fragments
+from diloco.site.overlap import SyncSchedule
+
+
+def _shapes(model_name: str = "tiny", **kw: int) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in build_model(model_config(model_name, **kw), 0).named_parameters()}
+
+
+def test_layers_are_strided_over_the_fragments() -> None:
+    shapes = _shapes(n_layers=4)
+    split = split_fragments(shapes, 2)
+    layers = [sorted({layer_of(n) for n in part} - {None}) for part in split]
+    assert layers == [[0, 2], [1, 3]]
+    assert sorted(n for part in split for n in part) == sorted(shapes)  # every name once
+    assert split == split_fragments(dict(reversed(list(shapes.items()))), 2)  # the order of the names does not matter
+
+
+def test_tensors_outside_the_layers_go_to_the_smallest_fragment() -> None:
+    shapes = {"emb.weight": (100, 4), "blocks.0.w": (10,), "blocks.1.w": (20,), "norm.weight": (4,)}
+    split = split_fragments(shapes, 2)
+    # emb (400) first: fragment 0 (10) < fragment 1 (20); then norm (4) to fragment 1 (20 < 410).
+    assert split == (("blocks.0.w", "emb.weight"), ("blocks.1.w", "norm.weight"))
+    assert [d["numel"] for d in describe(split, shapes)] == [410, 24]
+
+
+def test_hugging_face_names_carry_their_layer() -> None:
+    assert layer_of("model.layers.12.self_attn.q_proj.weight") == 12
+    assert layer_of("transformer.h.3.attn.c_attn.bias") == 3
+    assert layer_of("lm_head.weight") is None and layer_of("conv1.weight") is None
+
+
+def test_one_fragment_is_every_name_and_round_r_syncs_r_mod_f() -> None:
+    shapes = _shapes()
+    assert split_fragments(shapes, 1) == (tuple(sorted(shapes)),)
+    assert [fragment_of_round(r, 3) for r in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("fragments, why", [(0, "fragments=0: must be an integer >= 1"), (4, "fragments=4: the model has only 3 layer(s)"), (True, "fragments=True")])
+def test_bad_fragment_counts_are_refused(fragments: object, why: str) -> None:
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        split_fragments(_shapes(), fragments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "schedule, field",
+    [
+        (SyncSchedule(sync_every=50, fragments=3), "sync_every=50 is not divisible by fragments=3"),
+        (SyncSchedule(sync_every=50, fragments=5, overlap_steps=10), "overlap_steps=10: must be below sync_every/fragments = 10"),
+        (SyncSchedule(sync_every=50, overlap_steps=-1), "overlap_steps=-1"),
+        (SyncSchedule(sync_every=50, outer_mode="lazy"), "outer_mode='lazy'"),
+        (SyncSchedule(sync_every=50, fragments=2, outer_mode="eager"), "outer_mode=eager overlaps the whole sync"),
+        (SyncSchedule(sync_every=50, overlap_steps=3, outer_mode="delayed"), "outer_mode=delayed overlaps the whole sync"),
+        (SyncSchedule(sync_every=0), "sync_every=0"),
+    ],
+)
+def test_the_schedule_names_what_cannot_work(schedule: SyncSchedule, field: str) -> None:
+    why = schedule.problem()
+    assert why is not None and field in why
+
+
+def test_the_schedule_of_each_mode() -> None:
+    assert SyncSchedule(50).mode == "blocking" and not SyncSchedule(50).overlapped
+    s = SyncSchedule(50, fragments=5, overlap_steps=3)
+    assert (s.mode, s.round_steps, s.land_after, s.overlapped) == ("streaming", 10, 3, True)
+    e = SyncSchedule(50, outer_mode="eager")
+    assert (e.mode, e.round_steps, e.land_after, e.overlapped) == ("eager", 50, None, True)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"sync_every": 10, "fragments": 3}, "sync_every=10 is not divisible by fragments=3"),
+        ({"sync_every": 10, "fragments": 2, "overlap_steps": 5}, "overlap_steps=5: must be below"),
+        ({"overlap_steps": 2, "alpha": 1.5}, "alpha=1.5: must be a number in [0, 1]"),
+        ({"alpha": -0.1}, "alpha=-0.1"),
+        ({"outer_mode": "eager", "fragments": 2}, "outer_mode=eager overlaps the whole sync"),
+        ({"fragments": 2, "quorum": {"late": "merge"}}, "fragments=2 cannot be combined with quorum.late=merge"),
+        ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
+        ({"fragments": 2, "guard": {"factor": 3}}, "fragments=2 cannot be combined with guard.factor"),
+    ],
+)
+def test_the_run_config_refuses_what_streaming_cannot_do(overrides: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        run_config_from_dict(overrides)
+    assert field in str(e.value)
+
+
+def test_alpha_defaults_to_a_half_with_overlap_and_to_replacing_without() -> None:
+    assert run_config_from_dict({}).alpha == 0.0
+    cfg = run_config_from_dict({"sync_every": 10, "fragments": 2, "overlap_steps": 2})
+    assert cfg.alpha == 0.5 and cfg.sync_rounds == 2 * cfg.rounds and cfg.schedule.round_steps == 5
+
+
+def test_more_fragments_than_layers_is_refused_before_any_process_starts() -> None:
+    from diloco.sim.launcher import check_before_start
+
+    with pytest.raises(ConfigError, match="fragments=4: the model has only 3 layer"):
+        check_before_start(run_config_from_dict({"sync_every": 8, "fragments": 4}))
