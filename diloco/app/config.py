@@ -93,7 +93,9 @@ class RunConfig:
     fragments: int = 1  # F: round r syncs fragment r mod F of the parameters, a round every H/F steps
     overlap_steps: int = 0  # τ: the site trains τ steps while a round is in flight, then merges it (τ < H/F)
     alpha: float | None = None  # the merge: local ← α·local + (1−α)·θ; None: 0.5 with overlap (Streaming DiLoCo's), else 0 (replace)
+    merge: str = "alpha"  # alpha (the merge above) | delta: θ + the local steps trained since the push (docs/streaming.md)
     outer_mode: str = "blocking"  # blocking | eager | delayed: eager/delayed overlap the whole sync with the next inner phase
+    streams: int = 1  # connection striping: a site's push and pull each over this many concurrent streams (TCP connections)
 
     def __post_init__(self) -> None:
         self._resolve_codecs()
@@ -142,11 +144,15 @@ class RunConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be true or false")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+        if isinstance(self.streams, bool) or not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
+            raise ConfigError(f"streams={self.streams!r}: must be an integer in 1..64")
         why = self.schedule.problem()
         if why is not None:
             raise ConfigError(why)
         if self.alpha is None:
             object.__setattr__(self, "alpha", 0.5 if self.overlap_steps > 0 else 0.0)
+        if self.merge not in ("alpha", "delta"):
+            raise ConfigError(f"merge={self.merge!r}: must be alpha (α·local + (1−α)·θ) or delta (θ + the steps trained since the push)")
         if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
             raise ConfigError(f"alpha={self.alpha!r}: must be a number in [0, 1] (0: a landed fragment replaces the local one)")
 
@@ -216,12 +222,15 @@ class RunConfig:
     @property
     def schedule(self) -> SyncSchedule:
         """When sites push and merge (diloco.site.overlap)."""
-        return SyncSchedule(sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode)
+        return SyncSchedule(
+            sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode, train_rounds=self.rounds * self.fragments
+        )
 
     @property
     def sync_rounds(self) -> int:
-        """The coordinator's rounds: ``rounds`` × F (one fragment each; F = 1: ``rounds``)."""
-        return self.rounds * self.fragments
+        """The coordinator's rounds: ``rounds`` × F (one fragment each), and with fragments F − 1
+        flush rounds after them (SyncSchedule.train_rounds); F = 1: ``rounds``."""
+        return self.schedule.total_rounds(self.rounds)
 
 
 def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:

@@ -121,6 +121,7 @@ def _overlap_record(site: _Site, cfg: RunConfig) -> dict[str, Any]:
     util = stats.compute_utilization
     return {
         "compute_utilization": round(util, 4) if util is not None else None,
+        "utilization_until_last_step": round(stats.utilization_until_last_step, 4) if stats.utilization_until_last_step is not None else None,
         "stall_s": round(stats.stall_s, 4),
         "stalls": stats.stalls if site.schedule.overlapped else None,
         "fragment_bytes": site.fragment_bytes if cfg.fragments > 1 else None,
@@ -159,11 +160,12 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         layout.model.compile()  # in place: torch.compile(m) would rename every parameter "_orig_mod.…"
     site = _Site(cfg, opts, run_dir, log, hooks, layout, sampler, corpus)
     start = time.monotonic()
-    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id) as real_client:
+    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.streams) as real_client:
         client = hooks.wrap(real_client) if hooks else real_client
         options = SyncOptions(
             codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
-            fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
+            fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
+            streams=cfg.streams,
             eager_lr=(cfg.outer.lr if cfg.outer is not None else 1.0) / cfg.sites,  # the site's 1/N share of the average, stepped at the outer lr
         )  # fmt: skip
         sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None)

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diloco.app.config import ConfigError, RunConfig, run_config_from_dict
 
-RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "robust", "security", "init", "eval_by", "device", "compile", "tf32", "fragments", "overlap_steps", "alpha", "outer_mode")
+RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "robust", "security", "init", "eval_by", "device", "compile", "tf32", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams")
 
 
 def run_config(cfg: DictConfig, sections: tuple[str, ...]) -> RunConfig:

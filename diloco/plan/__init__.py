@@ -23,6 +23,7 @@ from diloco.plan.model import (
     plan_problem,
     plan_report,
     predict,
+    run_utilization,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "plan_problem",
     "plan_report",
     "predict",
+    "run_utilization",
 ]

@@ -343,6 +343,25 @@ def predict(p: Plan) -> Prediction:
     )
 
 
+def run_utilization(p: Plan, rounds: int, *, tail: bool = True) -> float:
+    """Utilization over a whole run of ``rounds`` rounds rather than the steady state: the run
+    ends once its last sync has landed, and nothing overlaps that one (no inner phase follows
+    it), so an overlapped mode pays it whole once (a blocking sync pays it every round anyway);
+    with fragments, the F − 1 flush rounds after the last (docs/streaming.md) are paid whole too.
+    ``tail=False``: up to the end of the run's last inner step (the last round's stall, and the
+    syncs after it, left out): what ``utilization_until_last_step`` measures."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise PlanError(f"rounds={rounds!r}: must be an integer >= 1")
+    pred = predict(p)
+    last_steady = pred.stall_s / pred.syncs_per_round  # what the last sync would stall in the steady state
+    last_whole = _stall(_pieces(replace(p, overlap_steps=0, outer_mode="blocking"), pred.syncs_per_round - 1), p.params, _link(p)) if p.mode != "ddp" else last_steady
+    if not tail:
+        return rounds * pred.compute_s / (rounds * pred.round_s - last_steady)
+    flush = (p.fragments - 1) * last_whole if p.mode != "ddp" else 0.0
+    total = rounds * pred.round_s + max(0.0, last_whole - last_steady) + flush
+    return rounds * pred.compute_s / total
+
+
 # ---- the inverse -------------------------------------------------------------------------
 
 

@@ -270,7 +270,7 @@ class _FaultyClient:
             time.sleep(min(left, 0.5))  # a cut network fails after a while, not at once
             raise RemoteError("unavailable", f"injected: site {self._f.site} is cut off from the coordinator ({left:.1f}s left)")
 
-    def push(self, header: Any, chunks: Iterable[Any]) -> Any:
+    def push(self, header: Any, chunks: Iterable[Any], lane: int = 0) -> Any:
         self._check_partition()
         f = self._f
         for i, e in f._events("drop_push"):
@@ -287,7 +287,7 @@ class _FaultyClient:
         kills = f._events("kill_site", at_round=header.round, phase="push")
         if kills:
             chunks = self._kill_after_first(chunks, kills[0][0], header.round)
-        return self._client.push(header, chunks)
+        return self._client.push(header, chunks, lane=lane)
 
     def _kill_after_first(self, chunks: Iterable[Any], index: int, round: int) -> Iterator[Any]:
         it = iter(chunks)
@@ -298,9 +298,9 @@ class _FaultyClient:
         self._f.plan.kill(index, round=round, phase="push", site=self._f.site)
         yield from it
 
-    def pull_update(self, site_id: str, round: int, want: Any = None) -> Any:
+    def pull_update(self, site_id: str, round: int, want: Any = None, lane: int = 0) -> Any:
         self._check_partition()
-        chunks = self._client.pull_update(site_id, round, want)
+        chunks = self._client.pull_update(site_id, round, want, lane=lane)
         for i, _ in self._f._events("kill_site", at_round=round, phase="pull"):
             self._f.plan.kill(i, round=round, phase="pull", site=self._f.site)
         return chunks

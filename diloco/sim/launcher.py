@@ -29,6 +29,8 @@ from diloco.app import records
 from diloco.app.records import GlobalRecord, MetricsLine, ProgressRecord, Summary, WorkerRecord
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.security.store import write_run_credentials
+from diloco.sim.links import WanPlan, wan_plan
+from diloco.sim.wan import LinkSpec
 
 
 CREDENTIALS_DIR = "credentials"  # the run's credentials a simulation makes (diloco-certs' layout)
@@ -53,6 +55,8 @@ class _Proc:
     incarnation: int = 0
     restart_at: float | None = None  # a planned kill: start it again then (monotonic)
     gone: bool = False  # killed for good (restart_after_s < 0)
+    service: bool = False  # runs until stopped (the WAN emulator): not waited for, stopped last with SIGTERM
+    nice: int = 0  # added niceness (sites behind the WAN emulator, so its deliveries are on time)
 
 
 def sim_faults(d: Mapping[str, Any] | None, cfg: RunConfig) -> FaultsConfig:
@@ -70,6 +74,17 @@ def sim_faults(d: Mapping[str, Any] | None, cfg: RunConfig) -> FaultsConfig:
     return faults
 
 
+def sim_wan(wan: Mapping[str, Any] | None, site_wan: Any, cfg: RunConfig) -> WanPlan | None:
+    """The ``wan`` and ``site_wan`` sections of a simulation of ``cfg``; ConfigError naming the field."""
+    try:
+        plan = wan_plan(wan, site_wan, cfg.sites)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if plan is not None and cfg.mode != "diloco":
+        raise ConfigError(f"wan: emulated links sit between the sites and the coordinator; mode={cfg.mode} has no coordinator")
+    return plan
+
+
 def run_simulation(
     cfg: RunConfig,
     run_dir: Path,
@@ -79,6 +94,7 @@ def run_simulation(
     resume: bool = False,
     faults: FaultsConfig | Mapping[str, Any] | None = None,
     credentials: bool = True,
+    wan: WanPlan | None = None,
 ) -> dict[str, Any]:
     """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
 
@@ -87,6 +103,10 @@ def run_simulation(
     ``credentials``: unless ``cfg.security.dir`` names the run's credentials, make them
     (diloco-certs' layout, in run_dir/credentials), so every channel runs as a real run's
     would (TLS, and security.auth's client certificates and tokens); False: plaintext.
+
+    ``wan``: the emulated links (diloco.sim.links.wan_plan): every site then reaches the
+    coordinator through its own port of a WAN emulator process, which shapes the real byte
+    streams (bandwidth, RTT, jitter); None: loopback as it is.
 
     ``resume``: go on with the (stopped or crashed) run in ``run_dir``: its config must be
     ``cfg``; the coordinator resumes from its checkpoint, every site from its own, and the
@@ -112,13 +132,13 @@ def run_simulation(
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if threading.current_thread() is threading.main_thread() else None
     common = ["--config", str(config_path), "--run-dir", str(run_dir)]
     try:
-        _start_processes(cfg, run_dir, common, procs, start, say)
+        _start_processes(cfg, run_dir, common, procs, start, say, wan)
         _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=say)
     finally:
         _stop_all(procs)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start)
+    summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start, wan=wan)
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
 
@@ -142,12 +162,18 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume
     return config_path
 
 
-def _start_processes(cfg: RunConfig, run_dir: Path, common: list[str], procs: list[_Proc], start: float, say: Callable[[str], None]) -> None:
+def _start_processes(
+    cfg: RunConfig, run_dir: Path, common: list[str], procs: list[_Proc], start: float, say: Callable[[str], None], wan: WanPlan | None = None
+) -> None:
     """Starts the run's processes, appending each to ``procs`` as it starts (so that the caller
     stops every one of them, whatever fails here)."""
     base = [sys.executable, "-m", "diloco.sim.child"]
     if cfg.mode == "diloco":
         port_file = run_dir / "coordinator.port.json"
+        site_port_files = {str(s): port_file for s in range(cfg.sites)}
+        if wan is not None:
+            site_port_files = _start_wan(wan, run_dir, port_file, procs, deadline=start + 60)
+            say(f"WAN emulation: {_describe_wan(wan)}")
         # Checkpoints every round: a coordinator killed by a fault resumes from them.
         coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator")]
         procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
@@ -157,10 +183,13 @@ def _start_processes(cfg: RunConfig, run_dir: Path, common: list[str], procs: li
             ranks = cfg.layout_of(s).ranks
             # A site of several ranks is a torchrun group, as in a real run.
             launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
-            site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
-            procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir)))
-        port = _wait_port(port_file, procs[0], deadline=start + 120)
-        procs[0].cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
+            site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(site_port_files[str(s)]), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
+            # Behind the emulator, sites yield the cores to it: its deliveries (the links' RTT)
+            # must not wait for a training step (docs/wan.md).
+            procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir), nice=SITE_NICE if wan else 0))
+        coordinator_proc = next(p for p in procs if p.name == "coordinator")
+        port = _wait_port(port_file, coordinator_proc, deadline=start + 120)
+        coordinator_proc.cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
         say(f"coordinator on 127.0.0.1:{port}; {cfg.sites} site(s) started")
     else:
         init_file = run_dir / "pg_init"
@@ -168,6 +197,47 @@ def _start_processes(cfg: RunConfig, run_dir: Path, common: list[str], procs: li
         for rank in range(cfg.workers):
             args = ["worker", *common, "--rank", str(rank), "--world-size", str(cfg.workers), "--init-file", str(init_file)]
             procs.append(_start(f"rank {rank}", base + args, run_dir))
+
+
+WAN_DIR = "wan"  # the emulator's spec, the ports it listens on (one per site), its stats
+SITE_NICE = 10
+
+
+def _start_wan(wan: WanPlan, run_dir: Path, upstream: Path, procs: list[_Proc], deadline: float) -> dict[str, Path]:
+    """Starts the WAN emulator between the sites and the coordinator; returns, per site, the
+    port file it reads its coordinator address from (the emulator's port for its link)."""
+    wan_dir = run_dir / WAN_DIR
+    shutil.rmtree(wan_dir, ignore_errors=True)
+    wan_dir.mkdir(parents=True)
+    spec = {"upstream_port_file": str(upstream), "links": {s: l.to_dict() for s, l in wan.sites.items()}, "coordinator": wan.coordinator.to_dict() if wan.coordinator else None}
+    write_json_atomic(wan_dir / "spec.json", spec)
+    cmd = [sys.executable, "-m", "diloco.sim.wan", "--spec", str(wan_dir / "spec.json"), "--ports-out", str(wan_dir / "ports.json"), "--stats-out", str(wan_dir / "stats.json")]
+    proc = _start("wan", cmd, run_dir, extra=False)
+    proc.service = True
+    procs.append(proc)
+    ports_file = wan_dir / "ports.json"
+    while not ports_file.exists():
+        if proc.popen.poll() is not None:
+            raise SimError(_failure(proc))
+        if time.monotonic() > deadline:
+            raise SimError(f"the WAN emulator did not start listening in time; see {proc.log_path}")
+        time.sleep(0.05)
+    ports = json.loads(ports_file.read_text())
+    files = {}
+    for site, port in ports.items():
+        files[site] = wan_dir / f"site-{site}.port.json"
+        write_json_atomic(files[site], {"host": "127.0.0.1", "port": int(port)})
+    return files
+
+
+def _describe_wan(wan: WanPlan) -> str:
+    def one(spec: LinkSpec) -> str:
+        rate = "unlimited" if spec.up_mbit is None and spec.down_mbit is None else f"{spec.up_mbit or 'unlimited'}/{spec.down_mbit or 'unlimited'} Mbit/s up/down"
+        return f"{rate}, RTT {spec.rtt_ms:g} ms" + (f" ± {spec.jitter_ms:g} ms" if spec.jitter_ms else "")
+
+    distinct = {one(spec) for spec in wan.sites.values()}
+    sites = f"each site {distinct.pop()}" if len(distinct) == 1 else "; ".join(f"site {s}: {one(spec)}" for s, spec in wan.sites.items())
+    return sites + (f"; the coordinator's link {one(wan.coordinator)}" if wan.coordinator else "")
 
 
 def check_before_start(cfg: RunConfig) -> None:
@@ -190,18 +260,27 @@ def check_before_start(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_faults: list[int] | None = None) -> _Proc:
+def _start(name: str, cmd: list[str], run_dir: Path, incarnation: int = 0, skip_faults: list[int] | None = None, extra: bool = True, nice: int = 0) -> _Proc:
     suffix = f".{incarnation}" if incarnation else ""
     log_path = run_dir / "logs" / (name.replace(" ", "") + suffix + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "wb")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    extra = ["--incarnation", str(incarnation), "--skip-faults", ",".join(map(str, skip_faults or []))]
+    args = ["--incarnation", str(incarnation), "--skip-faults", ",".join(map(str, skip_faults or []))] if extra else []
     # Its own process group, so that stopping it also stops what it started (torchrun's ranks).
     popen = subprocess.Popen(
-        cmd + extra, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent, start_new_session=True
+        cmd + args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_child_setup(nice), start_new_session=True
     )
-    return _Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation)
+    return _Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation, nice=nice)
+
+
+def _child_setup(nice: int) -> Callable[[], None]:
+    def setup() -> None:
+        die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
 
 
 def _refused_pushes(metrics: list[MetricsLine]) -> dict[str, int]:
@@ -284,6 +363,8 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
         handled = len(fired)
         for p in procs:
             code = p.popen.poll()
+            if p.service and code is not None:
+                raise SimError(_failure(p))
             if code in (None, 0) or p.restart_at is not None or p.gone:
                 continue
             planned = next((e for e in kills if e["process"] == p.name), None)
@@ -299,13 +380,13 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
         for i, p in enumerate(procs):
             if p.restart_at is not None and time.monotonic() >= p.restart_at:
                 p.log_file.close()
-                procs[i] = _start(p.name, p.cmd, run_dir, p.incarnation + 1, _fired_events(run_dir))
+                procs[i] = _start(p.name, p.cmd, run_dir, p.incarnation + 1, _fired_events(run_dir), nice=p.nice)
                 say(f"started {p.name} again (incarnation {p.incarnation + 1})")
         lines = read_jsonl(metrics) if metrics.exists() else []
         for line in lines[shown:]:
             say(_progress_line(line, cfg))
         shown = len(lines)
-        if all(p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs):
+        if all(p.service or p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs):
             return
         if time.monotonic() > deadline:
             running = ", ".join(p.name for p in procs if p.popen.poll() is None)
@@ -330,6 +411,13 @@ def _progress_line(m: dict[str, Any], cfg: RunConfig) -> str:
 
 def _stop_all(procs: list[_Proc]) -> None:
     for p in procs:
+        if p.service and p.popen.poll() is None:
+            p.popen.terminate()  # the WAN emulator writes its stats on SIGTERM
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+    for p in procs:
         try:
             os.killpg(p.popen.pid, signal.SIGKILL)  # the process and whatever it started
         except (ProcessLookupError, PermissionError):
@@ -342,7 +430,7 @@ def _stop_all(procs: list[_Proc]) -> None:
         p.log_file.close()
 
 
-def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
+def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float, wan: WanPlan | None = None) -> dict[str, Any]:
     g = records.read(run_dir / "global.json", GlobalRecord)
     workers = {p.stem: records.read(p, WorkerRecord) for p in sorted((run_dir / "workers").glob("*.json"))}
     metrics = records.read_metrics(run_dir / "metrics.jsonl")
@@ -381,17 +469,21 @@ def _summarize(cfg: RunConfig, run_dir: Path, wall_s: float) -> dict[str, Any]:
         peak_rss_mb={**({"coordinator": g.peak_rss_mb} if cfg.mode == "diloco" else {}), **{sid: w.peak_rss_mb for sid, w in workers.items()}},
         run_dir=str(run_dir),
         **_overlap_summary(cfg, workers),
+        wan=wan.to_dict() if wan is not None else None,
     )
     return records.to_dict(summary)
+
+
+def _with_mean(per_site: dict[str, float]) -> dict[str, float]:
+    return {**per_site, "run": round(sum(per_site.values()) / len(per_site), 4)} if per_site else {}
 
 
 def _overlap_summary(cfg: RunConfig, workers: dict[str, WorkerRecord]) -> dict[str, Any]:
     """Per site and for the run: compute utilization, stalls, bytes per fragment."""
     if cfg.mode != "diloco":
         return {}
-    util = {sid: w.compute_utilization for sid, w in workers.items() if w.compute_utilization is not None}
-    if util:
-        util["run"] = round(sum(util.values()) / len(util), 4)
+    util = _with_mean({sid: w.compute_utilization for sid, w in workers.items() if w.compute_utilization is not None})
+    until = _with_mean({sid: w.utilization_until_last_step for sid, w in workers.items() if w.utilization_until_last_step is not None})
     frags: dict[str, dict[str, int]] = {}
     for w in workers.values():
         for f, b in (w.fragment_bytes or {}).items():
@@ -400,6 +492,7 @@ def _overlap_summary(cfg: RunConfig, workers: dict[str, WorkerRecord]) -> dict[s
             into["down"] += b["down"]
     return {
         "compute_utilization": util or None,
+        "utilization_until_last_step": until or None,
         "stall_s": {sid: w.stall_s for sid, w in workers.items() if w.stall_s is not None} or None,
         "fragment_bytes": dict(sorted(frags.items())) or None,
     }

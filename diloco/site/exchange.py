@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +19,7 @@ from diloco.errors import RemoteError
 from diloco.site.outcome import APPLIED, RoundOutcome, refused_pull, refused_push
 from diloco.site.stats import SyncStats
 from diloco.transport import CoordinatorClient, retrying
-from diloco.types import Chunk, PushHeader
+from diloco.types import Chunk, PushHeader, PushResult
 
 
 class Assembler(Protocol):
@@ -38,23 +39,25 @@ class Timeouts:
 
 def exchange(
     client: CoordinatorClient,
-    header: PushHeader,
-    chunks: list[Chunk],
+    pushes: list[tuple[PushHeader, list[Chunk]]],
+    pulls: list[dict[str, Box] | None],
     new_assembler: Callable[[], Assembler],
-    want: dict[str, Box] | None,
     timeouts: Timeouts,
     stats: SyncStats,
     times: dict[str, float],
     log: Callable[[str], None],
 ) -> tuple[RoundOutcome, Assembler | None]:
-    """Push, wait, pull for round ``header.round``: (APPLIED, the pulled update) or the outcome
-    that catching up needs. Adds the seconds of each step to ``times``."""
+    """Push, wait, pull for one round: (APPLIED, the pulled update) or the outcome that catching
+    up needs. Adds the seconds of each step to ``times``. ``pushes``: the round's push, or its
+    parts (striped: each on its own stream at once); ``pulls``: what each pull stream asks for
+    (one entry: a plain pull), into ``new_assembler()`` (a ``StripedPull`` for several)."""
+    header = pushes[0][0]
     site, r = header.site_id, header.round
 
     def attempt() -> tuple[RoundOutcome, Assembler | None]:
         t = time.perf_counter()
         try:
-            result = client.push(header, iter(chunks))
+            result = _push_all(client, pushes)
         except RemoteError as e:
             outcome = refused_push(e)
             if outcome is None:
@@ -78,8 +81,7 @@ def exchange(
             times["wait_s"] += time.perf_counter() - t
             t = time.perf_counter()
             assembler = new_assembler()
-            for c in client.pull_update(site, r, want):
-                assembler.add(c)
+            _pull_all(client, site, r, pulls, assembler)
             times["pull_s"] += time.perf_counter() - t
         except RemoteError as e:
             outcome = refused_pull(e)
@@ -89,6 +91,43 @@ def exchange(
         return applied, assembler
 
     return retrying(attempt, limit_s=timeouts.reconnect_timeout_s, what=f"site {site} round {r}", log=log, on_retry=stats.retried)
+
+
+def _push_all(client: CoordinatorClient, pushes: list[tuple[PushHeader, list[Chunk]]]) -> PushResult:
+    """The push, or its parts at once, one stream each; one result for them all (the verdict
+    comes with the last part in). The first refusal is raised once every stream has ended."""
+    if len(pushes) == 1:
+        header, chunks = pushes[0]
+        return client.push(header, iter(chunks))
+    with ThreadPoolExecutor(max_workers=len(pushes), thread_name_prefix="push-lane") as pool:
+        futures = [pool.submit(client.push, header, iter(chunks), lane=i) for i, (header, chunks) in enumerate(pushes)]
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except RemoteError as e:
+                errors.append(e)
+    if errors:
+        raise errors[0]
+    return PushResult(
+        accepted=all(x.accepted or x.duplicate for x in results), duplicate=all(x.duplicate for x in results), round=results[0].round,
+        payload_bytes=sum(x.payload_bytes for x in results), merged_into=max(x.merged_into for x in results),
+        refused=next((x.refused for x in results if x.refused), ""), clipped=next((x.clipped for x in results if x.clipped), ""),
+    )  # fmt: skip
+
+
+def _pull_all(client: CoordinatorClient, site: str, r: int, pulls: list[dict[str, Box] | None], assembler: Assembler) -> None:
+    """The round's update into ``assembler``: one stream, or one per entry of ``pulls`` at once."""
+    if len(pulls) == 1:
+        for c in client.pull_update(site, r, pulls[0]):
+            assembler.add(c)
+        return
+    parts = assembler.parts  # type: ignore[attr-defined]  # a StripedPull
+    with ThreadPoolExecutor(max_workers=len(pulls), thread_name_prefix="pull-lane") as pool:
+        futures = [pool.submit(client.pull_update, site, r, want, lane=i) for i, want in enumerate(pulls)]
+        for part, f in zip(parts, futures):
+            for c in f.result():
+                part.add(c)
 
 
 def wait_committed(client: CoordinatorClient, site: str, r: int, timeouts: Timeouts, log: Callable[[str], None]) -> None:

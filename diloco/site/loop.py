@@ -8,6 +8,7 @@ user's own loop and the tests run exactly the same schedule.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,11 +24,19 @@ class LoopStats:
     stalls: int = 0  # overlapped rounds that had not landed when their merge was due
     started: float = 0.0  # monotonic: the loop's start (after joining)
     ended: float = 0.0  # monotonic: the last round landed
+    trained: float = 0.0  # monotonic: the last inner step of the run ended (before the final syncs)
 
     @property
     def compute_utilization(self) -> float | None:
         """Time in inner steps over the loop's wall time."""
         span = self.ended - self.started
+        return sum(self.step_s) / span if span > 0 else None
+
+    @property
+    def utilization_until_last_step(self) -> float | None:
+        """The same up to the end of the last inner step: without the run's final syncs, which no
+        training can overlap (the tail a longer run spreads thinner)."""
+        span = self.trained - self.started
         return sum(self.step_s) / span if span > 0 else None
 
 
@@ -69,7 +78,9 @@ class RoundLoop:
                 if sync.finished:
                     break  # caught up past the last round: this phase's work has nowhere to go
                 self.steps_per_round[sync.round] = len(losses)
-                pending = sync.begin(tokens=len(losses) * self._tokens_per_step, train_loss=self._mean(sum(losses) / len(losses)), inner_steps=len(losses))
+                # A flush round (no steps) weighs 1 token per site: the sites' Δs count equally.
+                loss = self._mean(sum(losses) / len(losses)) if losses else math.nan
+                pending = sync.begin(tokens=max(1, len(losses) * self._tokens_per_step), train_loss=loss, inner_steps=len(losses))
                 if inflight is None:
                     t = time.perf_counter()
                     digest = sync.finish(sync.exchange(pending))
@@ -102,19 +113,22 @@ class RoundLoop:
     def _phase(self) -> list[float]:
         """Up to H/F inner steps (fewer under budget_s); with overlap, the round in flight is
         merged after τ of them."""
-        round, steps, land_after = self.sync.round, self.schedule.round_steps, self.schedule.land_after
+        round, land_after = self.sync.round, self.schedule.land_after
+        steps = self.schedule.steps_of(round)
         losses: list[float] = []
         phase_start = time.monotonic()
         self.phase_steps = 0
         for step in range(steps):
             t0 = time.monotonic()
             losses.append(self._step(round, step))
-            self.stats.step_s.append(time.monotonic() - t0)
+            self.stats.trained = time.monotonic()
+            self.stats.step_s.append(self.stats.trained - t0)
             self.phase_steps = step + 1
             if self.inflight is not None and self.inflight.busy and land_after is not None and step + 1 == land_after:
                 self._land()
             if self._budget_s is not None and time.monotonic() - phase_start >= self._budget_s:
                 break
-        self.last_loss[round] = losses[-1]
+        if losses:
+            self.last_loss[round] = losses[-1]
         self.phase_steps = 0
         return losses

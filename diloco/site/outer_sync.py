@@ -10,9 +10,11 @@ model state) and ``finish`` (apply, load into the model). ``sync`` does all thre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +28,10 @@ from diloco.site.heartbeat import Heartbeat
 from diloco.site.host_copy import HostMirror
 from diloco.site.layouts.base import ParallelModel
 from diloco.site.outcome import RoundOutcome
+from diloco.site.stripes import StripedPull, box_values, stripe_boxes
 from diloco.site.stats import SyncStats
 from diloco.transport import CoordinatorClient, retrying
+from diloco.boxes import Box
 from diloco.types import Chunk, JoinInfo, PushHeader, SiteEval
 from diloco.wire import MAX_CHUNK_BYTES, ChunkAssembler, SliceAssembler, encode_chunks
 
@@ -42,18 +46,26 @@ class SyncOptions:
     timeouts: Timeouts = field(default_factory=Timeouts)
     fragments: int = 1  # streaming: round r syncs fragment r mod F (told at Join; the coordinator refuses another F)
     alpha: float = 0.0  # a landed fragment is merged into the model as α·local + (1−α)·global (0: replaced)
+    # "alpha": the merge above; "delta": θ + the local steps taken since the push (local −
+    # local at the push), so the overlapped steps are neither lost nor counted twice.
+    merge: str = "alpha"
     # Where each round's Δ is measured from: "global" (θ, DiLoCo and streaming), or the inner
     # phase's own start point, which the site sets when it pushes without waiting for the
     # round: "delayed" (θ as known then, one round old) or "eager" (that θ moved by the site's
     # own fresh Δ, scaled by eager_lr, in place of the average still in flight).
     start_point: str = "global"
     eager_lr: float = 1.0
+    streams: int = 1  # connection striping: each push and pull over this many concurrent streams (the client needs as many)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha!r}: must be in [0, 1]")
+        if self.merge not in ("alpha", "delta"):
+            raise ValueError(f"merge={self.merge!r}: must be alpha or delta")
         if self.start_point not in ("global", "delayed", "eager"):
             raise ValueError(f"start_point={self.start_point!r}: must be global, delayed or eager")
+        if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
+            raise ValueError(f"streams={self.streams!r}: must be an integer >= 1")
 
 
 @dataclass
@@ -66,7 +78,9 @@ class PendingRound:
     residual: dict[str, torch.Tensor] | None  # the uplink error if this push counts
     times: dict[str, float]
     names: tuple[str, ...] = ()  # the parameters this round syncs (its fragment's)
+    parts: list[tuple[PushHeader, list[Chunk]]] = field(default_factory=list)  # striped: the push's parts, one per stream
     delta: dict[str, torch.Tensor] | None = None  # the site's own Δ (kept for an eager start point)
+    at_push: dict[str, torch.Tensor] | None = None  # merge=delta: the fragment's local values when it was pushed
     outcome: RoundOutcome | None = None
     update: Assembler | None = None
 
@@ -212,12 +226,16 @@ class OuterSync:
         if self.round > 0 and self._want is None:
             self.stats.round_hashes[self.round - 1] = params_sha256(self.global_params)
 
-    def _load_global_into_model(self, names: tuple[str, ...] | None = None, alpha: float = 0.0) -> None:
-        """The model's parameters (``names``: only those) ← θ, or with ``alpha`` > 0 the merge
-        α·local + (1−α)·θ (streaming DiLoCo's; the site's θ itself stays exact)."""
+    def _load_global_into_model(self, names: tuple[str, ...] | None = None, alpha: float = 0.0, at_push: dict[str, torch.Tensor] | None = None) -> None:
+        """The model's parameters (``names``: only those) ← θ; with ``alpha`` > 0 the merge
+        α·local + (1−α)·θ (streaming DiLoCo's); with ``at_push`` (merge=delta) θ + (local −
+        at_push): the steps trained since the push, on top of θ. The site's θ stays exact."""
         held = {n: h.tensor for n, h in self.layout.held().items() if names is None or n in names}
         values = {n: self.global_params[n] for n in held}
-        if alpha > 0:
+        if at_push is not None:
+            local = self._host.host(held)
+            values = {n: values[n] + (local[n].float() - at_push[n]) for n in held}
+        elif alpha > 0:
             local = self._host.host(held)
             values = {n: torch.lerp(values[n], local[n].float(), alpha) for n in held}
         HostMirror.load(held, values)
@@ -279,30 +297,59 @@ class OuterSync:
         reference = self.global_params if self._start is None else self._start
         delta = pseudo_gradient({n: reference[n] for n in pushed}, local)
         own = {n: d.clone() for n, d in delta.items()} if self.options.start_point == "eager" else None
+        at_push = None
+        if self.options.merge == "delta":  # the fragment's local values now, to re-apply the steps trained until the merge
+            held = {n: h.tensor for n, h in self.layout.held().items() if n in names}
+            at_push = {n: t.detach().float().clone() for n, t in self._host.host(held).items()}
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
         t1 = time.perf_counter()
-        boxes = {n: (h.box, self._specs[n].shape) for n, h in pushed.items()}
-        chunks = list(encode_chunks(delta, codec=self.codec, chunk_bytes=self.options.chunk_bytes, boxes=boxes))
-        residual = None
-        if self.feedback is not None:
-            sent = ChunkAssembler({n: self._specs[n] for n in pushed}) if self._want is None else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
-            residual = ErrorFeedback.error(delta, assemble(chunks, sent).finish())
         header = PushHeader(
             site_id=self.site_id, round=r, tokens=tokens, train_loss=train_loss, inner_steps=inner_steps, part=self.layout.rank, parts=self.layout.world,
             eval=self._eval if self.layout.leader else None,
         )  # fmt: skip
+        parts = self._encode_parts(header, delta, {n: h.box for n, h in pushed.items()})
+        chunks = [c for _, part in parts for c in part]
+        residual = None
+        if self.feedback is not None:
+            sent = ChunkAssembler({n: self._specs[n] for n in pushed}) if self._want is None else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
+            residual = ErrorFeedback.error(delta, assemble(chunks, sent).finish())
         times = {"round": r, "delta_s": t1 - t0, "encode_s": time.perf_counter() - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
-        return PendingRound(header, chunks, residual, times, names=names, delta=own)
+        return PendingRound(header, chunks, residual, times, names=names, delta=own, parts=parts, at_push=at_push)
+
+    def _encode_parts(self, header: PushHeader, delta: dict[str, torch.Tensor], held: dict[str, Box]) -> list[tuple[PushHeader, list[Chunk]]]:
+        """The push as one part per stream: Δ's slices striped over ``streams`` parts (numbered
+        after the site's ranks' own: rank × k + i of world × k), each encoded on its own."""
+        k = self.options.streams
+        shapes = {n: self._specs[n].shape for n in held}
+        if k == 1:
+            boxes = {n: (held[n], shapes[n]) for n in held}
+            return [(header, list(encode_chunks(delta, codec=self.codec, chunk_bytes=self.options.chunk_bytes, boxes=boxes)))]
+        parts = []
+        for i, stripe in enumerate(stripe_boxes(held, shapes, k, split_rows=self.layout.world == 1)):
+            values = {n: box_values(delta[n], held[n], b) for n, b in stripe.items()}
+            chunks = list(encode_chunks(values, codec=self.codec, chunk_bytes=self.options.chunk_bytes, boxes={n: (b, shapes[n]) for n, b in stripe.items()}))
+            part = dataclasses.replace(header, part=header.part * k + i, parts=header.parts * k, eval=header.eval if i == 0 else None)
+            parts.append((part, chunks))
+        return parts
+
+    def _pull_plan(self, names: tuple[str, ...]) -> tuple[list[dict[str, Box] | None], Callable[[], Any]]:
+        """What each pull stream asks for, and the assembler they fill."""
+        if self.options.streams == 1:
+            want = None if self._want is None else self._round_want(names)
+            return [want], lambda: self._assembler(names)
+        held = {n: Box.whole(self._specs[n].shape) for n in names} if self._want is None else self._round_want(names)
+        stripes = [s for s in stripe_boxes(held, {n: self._specs[n].shape for n in held}, self.options.streams, split_rows=self._want is None) if s]
+        return list(stripes), lambda: StripedPull(self._specs, stripes, held)
 
     def exchange(self, pending: PendingRound) -> PendingRound:
         """Push, wait, pull: the network part of a round. Reads and writes no model state, so it
         may run on another thread while the next inner phase trains."""
         if self.before_push is not None:
             self.before_push(pending.header.round)
-        want = None if self._want is None else self._round_want(pending.names)
+        pulls, assembler = self._pull_plan(pending.names)
         pending.outcome, pending.update = exchange(
-            self.client, pending.header, pending.chunks, lambda: self._assembler(pending.names), want, self.options.timeouts, self.stats, pending.times, self._log
+            self.client, pending.parts or [(pending.header, pending.chunks)], pulls, assembler, self.options.timeouts, self.stats, pending.times, self._log
         )
         return pending
 
@@ -324,7 +371,7 @@ class OuterSync:
         pending.times["bytes_down"] = pending.update.payload_bytes
         if self._start is None:  # else the model is mid-phase from its own start point (restart_phase)
             whole = self.options.fragments == 1
-            self._load_global_into_model(None if whole else pending.names, self.options.alpha)
+            self._load_global_into_model(None if whole else pending.names, self.options.alpha, pending.at_push)
         pending.times["apply_s"] = time.perf_counter() - t3  # decoding happened as the chunks arrived (pull_s)
         self.stats.timings.append(pending.times)
         self.round = r + 1

@@ -33,6 +33,10 @@ class SyncSchedule:
     fragments: int = 1  # F
     overlap_steps: int = 0  # τ
     outer_mode: str = "blocking"
+    # Rounds with inner steps (R × F); with fragments, the F − 1 rounds after them are flush
+    # rounds with none: fragments 0 .. F−2 push what they trained since their last sync, so
+    # the run's θ holds every step. None: every round trains.
+    train_rounds: int | None = None
 
     def problem(self) -> str | None:
         """What cannot work, naming the field; None when the schedule is sound."""
@@ -57,6 +61,14 @@ class SyncSchedule:
     def round_steps(self) -> int:
         """Inner steps between two pushes (a coordinator round): H/F."""
         return self.sync_every // self.fragments
+
+    def steps_of(self, round: int) -> int:
+        """Inner steps before round ``round``'s push: H/F, or 0 for a flush round."""
+        return self.round_steps if self.train_rounds is None or round < self.train_rounds else 0
+
+    def total_rounds(self, rounds: int) -> int:
+        """The coordinator's rounds for ``rounds`` rounds of H steps: R × F, plus F − 1 flush rounds."""
+        return rounds * self.fragments + (self.fragments - 1)
 
     @property
     def overlapped(self) -> bool:

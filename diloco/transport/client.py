@@ -45,12 +45,20 @@ class CoordinatorClient:
 
     ``connect_timeout_s`` is how long a call waits for the coordinator to come up (a site may
     start first); ``timeout_s`` bounds each call once connected. ``security``: the run's
-    credentials, used as site ``site_id`` (None: plaintext, loopback only). All methods are
-    thread-safe.
+    credentials, used as site ``site_id`` (None: plaintext, loopback only). ``streams`` > 1
+    opens that many channels, each its own TCP connection, for striped pushes and pulls
+    (``lane``). All methods are thread-safe.
     """
 
     def __init__(
-        self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 60.0, security: SecurityConfig | None = None, site_id: str = ""
+        self,
+        address: str,
+        *,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 60.0,
+        security: SecurityConfig | None = None,
+        site_id: str = "",
+        streams: int = 1,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -67,14 +75,26 @@ class CoordinatorClient:
             ("grpc.min_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 4000),
         ]
+        if streams < 1:
+            raise ValueError(f"streams={streams}: must be >= 1")
+        # A channel of its own subchannel pool is a connection of its own (channels with the
+        # same target and options would otherwise share one TCP connection).
+        lanes = [options if i == 0 else [*options, ("grpc.use_local_subchannel_pool", 1)] for i in range(streams)]
         if side.credentials is None:
-            self._channel = grpc.insecure_channel(address, options=options)
+            self._channels = [grpc.insecure_channel(address, options=o) for o in lanes]
         else:
-            self._channel = grpc.secure_channel(address, side.credentials, options=options)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+            self._channels = [grpc.secure_channel(address, side.credentials, options=o) for o in lanes]
+        self._channel = self._channels[0]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._stub = self._stubs[0]
+
+    @property
+    def streams(self) -> int:
+        return len(self._channels)
 
     def close(self) -> None:
-        self._channel.close()
+        for c in self._channels:
+            c.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -93,8 +113,8 @@ class CoordinatorClient:
             raise _remote(e) from None
         return serde.join_info_from_proto(reply)
 
-    def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
-        return self._stream(self._stub.PushDelta, header, chunks)
+    def push(self, header: PushHeader, chunks: Iterable[Chunk], lane: int = 0) -> PushResult:
+        return self._stream(self._stubs[lane % len(self._stubs)].PushDelta, header, chunks)
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """Sends this site's parameters as θ₀ (float32 chunks), when Join asked for them."""
@@ -120,9 +140,10 @@ class CoordinatorClient:
             raise _remote(e) from None
         return serde.status_from_proto(reply)
 
-    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:
+    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None, lane: int = 0) -> list[Chunk]:
         """Round ``round``'s encoded update; with ``want``, only the chunks overlapping those slices."""
-        return self._pull(self._stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want)))
+        stub = self._stubs[lane % len(self._stubs)]
+        return self._pull(stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want)))
 
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
         """θ after the last committed round: the round status (its ``committed_rounds`` is

@@ -38,7 +38,8 @@ BASE = ["sites=3", "data.batch_size=4", "eval_every=100", "sim.timeout_s=240"]
 
 @pytest.fixture(scope="module")
 def streaming_kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    # H=4, F=2, τ=1: 8 coordinator rounds of 2 steps, each one fragment, pushed without waiting.
+    # H=4, F=2, τ=1: 8 coordinator rounds of 2 steps, each one fragment, pushed without waiting,
+    # then a flush round for fragment 0 (no steps).
     events = _events(
         "{kind:kill_site,site:0,at_round:2,phase:inner,restart_after_s:0.5}",
         "{kind:kill_site,site:1,at_round:3,phase:push,restart_after_s:0.5}",
@@ -49,8 +50,8 @@ def streaming_kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 def test_streaming_through_kills_keeps_the_fault_matrix_invariants(streaming_kills: Run) -> None:
     summary, metrics = streaming_kills.summary, streaming_kills.metrics
-    assert [m["round"] for m in metrics] == list(range(8)), "rounds must be consecutive, each once"
-    assert summary["rounds_committed"] == 8 and summary["rounds_rejected"] == 0
+    assert [m["round"] for m in metrics] == list(range(9)), "rounds must be consecutive, each once"
+    assert summary["rounds_committed"] == 9 and summary["rounds_rejected"] == 0
     assert summary["hashes_equal"], summary["site_global_sha256"]
     assert set(summary["site_global_sha256"]) == {"0", "1", "2"}  # every site finished (was started again)
     assert [e["kind"] for e in summary["faults_injected"]] == ["kill_site", "kill_site", "kill_coordinator"]
@@ -59,7 +60,8 @@ def test_streaming_through_kills_keeps_the_fault_matrix_invariants(streaming_kil
 
 def test_streaming_rounds_alternate_fragments_and_account_their_bytes(streaming_kills: Run) -> None:
     summary, metrics = streaming_kills.summary, streaming_kills.metrics
-    assert [m["fragment"] for m in metrics] == [0, 1] * 4
+    assert [m["fragment"] for m in metrics] == [0, 1] * 4 + [0]
+    assert metrics[-1]["inner_steps"] == 0 and metrics[-1]["train_loss"] is None  # the flush round
     assert set(summary["fragment_bytes"]) == {"0", "1"}
     assert all(b["up"] > 0 and b["down"] > 0 for b in summary["fragment_bytes"].values())
     assert set(summary["compute_utilization"]) == {"0", "1", "2", "run"}
@@ -80,3 +82,22 @@ def test_eager_and_delayed_runs_survive_a_coordinator_restart(tmp_path: Path, mo
     assert [m["round"] for m in run.metrics] == list(range(4))
     assert summary["hashes_equal"] and set(summary["site_global_sha256"]) == {"0", "1"}
     assert run.json("workers/0.json")["sync_mode"] == mode
+
+
+def test_streaming_with_striping_through_emulated_links(tmp_path: Path) -> None:
+    """2 sites through the WAN emulator (50 Mbit/s, 20 ms each; a shared coordinator link),
+    2 fragments with overlap, each push and pull over 2 connections, TLS on every one."""
+    run = run_ok(
+        tmp_path / "run", "sites=2", "sync_every=4", "rounds=2", "fragments=2", "overlap_steps=1", "streams=2", "eval_every=100",
+        "wan.bandwidth_mbit=50", "wan.rtt_ms=20", "wan.coordinator={bandwidth_mbit:80}", timeout=200,
+    )  # fmt: skip
+    summary = run.summary
+    assert summary["hashes_equal"] and summary["rounds_committed"] == 5  # 2 x 2 fragments, 1 flush round
+    assert summary["wan"]["sites"]["0"] == {"up_mbit": 50.0, "down_mbit": 50.0, "rtt_ms": 20.0, "jitter_ms": 0.0}
+    assert summary["wan"]["coordinator"]["down_mbit"] == 80.0
+    stats = run.json("wan/stats.json")
+    for site in ("0", "1"):
+        # every byte of the site's pushes crossed its emulated link (plus TLS and HTTP/2 framing)
+        assert stats[site]["bytes_up"] >= run.json(f"workers/{site}.json")["bytes_up"]
+        assert stats[site]["connections"] >= 2  # the second stream is a connection of its own
+    assert "WAN emulation: each site 50.0/50.0 Mbit/s up/down, RTT 20 ms" in run.stdout

@@ -113,6 +113,21 @@ def test_two_fragments_overlap_one_step_alpha_half_by_hand(site_factory) -> None
     assert site.coordinator.fragments == ((A,), (B,))
 
 
+def test_the_delta_merge_keeps_the_overlapped_steps(site_factory) -> None:
+    # merge=delta: local ← θ + (local − local at the push). The same schedule as above (τ=1):
+    # r0: (-2,-2), push 0: Δ=2 (at push -2). r1: step (-3,-3); land r0: G0=-1, L0=-1+(-3+2)=-2;
+    # step (-3,-4); push 1: Δ=4 (at push -4). r2: step (-4,-5); land r1: G1=-2, L1=-2+(-5+4)=-3;
+    # step (-5,-4); push 0: Δ=-1+5=4 (at -5). r3: step (-6,-5); land r2: G0=-3, L0=-3+(-6+5)=-4;
+    # step (-5,-6); push 1: Δ=-2+6=4 (at -6). End: land r3: G1=-4, L1=-4+0=-4.
+    # The pushes are those of blocking fragments (next test): no overlapped step is lost.
+    site = site_factory(4, SyncOptions(fragments=2, merge="delta"), SGD_HALF)
+    site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1))
+    assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
+    assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.0}
+    assert _params(site.model) == {A: -5.0, B: -4.0}
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+
+
 def test_blocking_fragments_replace_each_landed_fragment(site_factory) -> None:
     # The same with τ=0, α=0: each round lands before the next step and replaces its fragment.
     # r0: (-2,-2), Δ0=2, G0=-1, L0=-1. r1: (-3,-4), Δ1=4, G1=-2, L1=-2.
@@ -167,3 +182,58 @@ def test_a_site_with_another_number_of_fragments_is_refused_at_join(site_factory
     site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
     with pytest.raises(RemoteError, match="fragments=1, this run has fragments=2"):
         site.client.join("0", site.sync.layout.specs.values(), fragments=1)
+
+
+# ---- connection striping ------------------------------------------------------------------
+
+from diloco.data import DataConfig, ShardSampler, load_corpus  # noqa: E402
+from diloco.model import build_model, model_config  # noqa: E402
+from diloco.site.inner import InnerConfig, InnerTrainer  # noqa: E402
+
+MODEL = model_config("tiny", context=32, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64)
+
+
+def _striped_run(streams: int, codec: str) -> tuple[str, str, int]:
+    """2 rounds of H=3 of one site over ``streams`` streams; (site hash, coordinator hash, bytes up)."""
+    coordinator = Coordinator(dict(build_model(MODEL, seed=0).named_parameters()), OuterConfig(), CoordinatorConfig(total_rounds=2))
+    server, port = serve(coordinator, "127.0.0.1", 0)
+    try:
+        model = build_model(MODEL, seed=1)
+        trainer = InnerTrainer(model, InnerConfig(lr=3e-3, warmup_steps=1), total_steps=6)
+        corpus = load_corpus(DataConfig(batch_size=4), MODEL.context, num_shards=1)
+        sampler = ShardSampler(corpus.train, shard=0, num_shards=1, batch_size=4, context=MODEL.context, seed=0)
+        with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30, streams=streams) as client:
+            sync = OuterSync(model, client, "0", SyncOptions(codec=codec, streams=streams))
+            sync.join()
+            RoundLoop(sync, SyncSchedule(sync_every=3), lambda _r, _s: trainer.step(*sampler.next_batch()), tokens_per_step=128).run()
+            sync.close()
+            return sync.global_sha256(), coordinator.global_sha256(), sync.stats.bytes_up
+    finally:
+        server.stop(grace=None).wait(5)
+
+
+def test_a_striped_push_and_pull_give_the_same_theta_as_one_stream() -> None:
+    one, coord_one, up_one = _striped_run(1, "fp32")
+    three, coord_three, up_three = _striped_run(3, "fp32")
+    assert one == coord_one and three == coord_three
+    assert three == one  # fp32 is lossless: the parts add up to exactly the same Δ
+    assert up_three == up_one
+
+
+def test_a_striped_lossy_push_keeps_every_copy_identical() -> None:
+    site, coordinator, _ = _striped_run(4, "int8")
+    assert site == coordinator
+
+
+def test_stripes_tile_every_tensor_and_balance_the_elements() -> None:
+    from diloco.boxes import Box, tiling_problem
+    from diloco.site.stripes import stripe_boxes
+
+    shapes = {n: tuple(p.shape) for n, p in build_model(MODEL, seed=0).named_parameters()}
+    held = {n: Box.whole(s) for n, s in shapes.items()}
+    stripes = stripe_boxes(held, shapes, 4)
+    assert len(stripes) == 4
+    for name, shape in shapes.items():
+        assert tiling_problem([s[name] for s in stripes if name in s], shape) is None
+    sizes = [sum(b.numel for b in s.values()) for s in stripes]
+    assert max(sizes) <= 1.2 * sum(sizes) / 4

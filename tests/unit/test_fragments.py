@@ -82,6 +82,8 @@ def test_the_schedule_of_each_mode() -> None:
         ({"sync_every": 10, "fragments": 2, "overlap_steps": 5}, "overlap_steps=5: must be below"),
         ({"overlap_steps": 2, "alpha": 1.5}, "alpha=1.5: must be a number in [0, 1]"),
         ({"alpha": -0.1}, "alpha=-0.1"),
+        ({"merge": "average"}, "merge='average': must be alpha"),
+        ({"streams": 0}, "streams=0: must be an integer in 1..64"),
         ({"outer_mode": "eager", "fragments": 2}, "outer_mode=eager overlaps the whole sync"),
         ({"fragments": 2, "quorum": {"late": "merge"}}, "fragments=2 cannot be combined with quorum.late=merge"),
         ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
@@ -97,7 +99,15 @@ def test_the_run_config_refuses_what_streaming_cannot_do(overrides: dict, field:
 def test_alpha_defaults_to_a_half_with_overlap_and_to_replacing_without() -> None:
     assert run_config_from_dict({}).alpha == 0.0
     cfg = run_config_from_dict({"sync_every": 10, "fragments": 2, "overlap_steps": 2})
-    assert cfg.alpha == 0.5 and cfg.sync_rounds == 2 * cfg.rounds and cfg.schedule.round_steps == 5
+    assert cfg.alpha == 0.5 and cfg.schedule.round_steps == 5
+
+
+def test_fragments_add_flush_rounds_so_every_step_reaches_theta() -> None:
+    cfg = run_config_from_dict({"sync_every": 12, "fragments": 3, "rounds": 2})
+    # 2 x 3 rounds of 4 steps, then fragments 0 and 1 push what they trained since their last sync
+    assert cfg.sync_rounds == 2 * 3 + 2
+    assert [cfg.schedule.steps_of(r) for r in range(cfg.sync_rounds)] == [4] * 6 + [0, 0]
+    assert run_config_from_dict({"rounds": 7}).sync_rounds == 7
 
 
 def test_more_fragments_than_layers_is_refused_before_any_process_starts() -> None:

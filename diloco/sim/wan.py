@@ -1,0 +1,706 @@
+"""WAN link emulator: a shaping TCP proxy between the simulation's sites and its coordinator.
+
+On 127.0.0.1 every byte arrives at once, so a local run says nothing about what a slow or far
+link costs. Each site instead calls its own listening port here; each connection accepted
+there is forwarded to the coordinator through an emulated link with a bandwidth per
+direction, a round-trip time and jitter (and, optionally, through one more link shared by
+every site: the coordinator's own). The training code never sleeps: the real gRPC byte
+streams (TLS included: this is plain TCP, the bytes pass untouched) are what gets delayed.
+
+The model, per link and direction, is a FIFO transmitter (the "wire") shared by every
+connection of that link: a segment of n bytes read from a socket departs when the wire is
+free, ``depart = max(ready, next_free)``, occupies it for ``n * 8 / bandwidth`` seconds, and
+arrives ``rtt / 2`` (plus a jitter uniform in ``[0, jitter]``) after its last byte left, but
+never before the previous segment of its connection and direction (byte order is kept). A hop
+takes the next segment only once the current one has left (a socket is read at most ~50 ms
+ahead), so what is in flight stays near bandwidth x delay and the sender feels back-pressure
+from its socket buffer, as behind a real bottleneck. A new connection carries no byte before one round trip has passed (TCP's
+handshake). docs/wan.md: the limits of this model and its measured accuracy.
+
+Command line (the simulation starts it as a process)::
+
+    python -m diloco.sim.wan --spec SPEC.json --ports-out PORTS.json [--stats-out STATS.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import math
+import platform
+import random
+import select
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from diloco.io import write_json_atomic
+
+Address = tuple[str, int]
+
+_LINK_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms")
+# A segment is about this long on the wire: short enough that the rate is smooth at the scale
+# of a few ms (and a small message never waits behind a long segment), long enough that the
+# per-segment Python work stays small next to it (docs/wan.md: what was measured).
+SEGMENT_S = 0.002
+MIN_SEGMENT = 4 * 1024
+MAX_SEGMENT = 256 * 1024
+# What a socket may have received that no segment took yet: this long at the link's rate (and
+# at least a few segments), so that when the emulator was kept off the CPU for up to that long
+# the data it could have sent is there, stamped with when it came, and the wire catches up.
+READ_AHEAD_S = 0.05
+READ_AHEAD_SEGMENTS = 4
+MIN_READ_AHEAD, MAX_READ_AHEAD = 64 * 1024, 4 * 1024 * 1024
+RECEIVE_BUFFER = 256 * 1024  # SO_RCVBUF of the emulator's sockets (Linux doubles it)
+UNLIMITED_PIPE = 16 * 1024 * 1024  # what may be in flight on a hop with no bandwidth limit
+CONNECT_TIMEOUT_S = 10.0
+WAKE_SLICE_NS = 100_000  # the time slice the emulator's thread asks the kernel for (Linux 6.12+)
+_SCHED_ATTR_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}  # sched_setattr, sched_getattr
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One emulated link. For a site's link, up is site -> coordinator and down is
+    coordinator -> site; for the coordinator's shared link, up is what the coordinator sends
+    (to every site) and down what it receives (from every site)."""
+
+    up_mbit: float | None = None  # bandwidth up, Mbit/s (1e6 bit/s); None: unlimited
+    down_mbit: float | None = None  # bandwidth down, Mbit/s; None: unlimited
+    rtt_ms: float = 0.0  # round-trip time the link adds: rtt/2 each direction
+    jitter_ms: float = 0.0  # extra one-way delay per segment, uniform in [0, jitter_ms]; order kept
+
+    def problem(self, where: str) -> str | None:
+        """What is wrong with this spec, naming the field under ``where``; None if nothing."""
+        for name in ("up_mbit", "down_mbit"):
+            if (msg := _rate_problem(getattr(self, name), _field(where, name))) is not None:
+                return msg
+        for name in ("rtt_ms", "jitter_ms"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                return f"{_field(where, name)}={value!r}: must be a finite number >= 0"
+        return None
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], where: str) -> LinkSpec:
+        """A spec from its config form. ``bandwidth_mbit`` sets both directions; ``up_mbit`` or
+        ``down_mbit``, if also given, override it for theirs. ValueError names the field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}={d!r}: must be a mapping with some of {', '.join(_LINK_KEYS)}")  # noqa: TRY004 - one error type for a bad config
+        unknown = sorted(str(k) for k in d if k not in _LINK_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(_LINK_KEYS)}")
+        both = d.get("bandwidth_mbit")
+        if (msg := _rate_problem(both, _field(where, "bandwidth_mbit"))) is not None:
+            raise ValueError(msg)
+        spec = LinkSpec(
+            up_mbit=d.get("up_mbit", both),
+            down_mbit=d.get("down_mbit", both),
+            rtt_ms=d.get("rtt_ms", 0.0),
+            jitter_ms=d.get("jitter_ms", 0.0),
+        )
+        if (msg := spec.problem(where)) is not None:
+            raise ValueError(msg)
+        as_float = {k: None if v is None else float(v) for k, v in spec.to_dict().items()}
+        return LinkSpec(**as_float)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"up_mbit": self.up_mbit, "down_mbit": self.down_mbit, "rtt_ms": self.rtt_ms, "jitter_ms": self.jitter_ms}
+
+
+def _field(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rate_problem(value: object, field: str) -> str | None:
+    if value is None or (_is_number(value) and math.isfinite(value) and value > 0):  # type: ignore[arg-type]
+        return None
+    return f"{field}={value!r}: must be a finite number > 0 (or null: unlimited)"
+
+
+class _Wire:
+    """One direction of one link: sends one segment at a time at the link's rate. Every
+    connection through the link shares it, so a site's parallel streams compete for its
+    bandwidth as they would on a real link."""
+
+    __slots__ = ("bytes_per_s", "next_free")
+
+    def __init__(self, mbit: float | None) -> None:
+        self.bytes_per_s = None if mbit is None else mbit * 1e6 / 8
+        self.next_free = 0.0
+
+    def transmit(self, ready: float, n: int) -> float:
+        """Reserves the wire for ``n`` bytes that were ready at ``ready``; returns when their
+        last byte has left."""
+        if self.bytes_per_s is None:
+            return ready
+        self.next_free = max(ready, self.next_free) + n / self.bytes_per_s
+        return self.next_free
+
+
+@dataclass(frozen=True)
+class _Hop:
+    wire: _Wire
+    delay_s: float
+    jitter_s: float
+
+    @property
+    def shapes(self) -> bool:
+        return self.wire.bytes_per_s is not None or self.delay_s > 0 or self.jitter_s > 0
+
+    def pipe_bytes(self, segment: int) -> int:
+        """How much may be in flight after this hop: twice what its delay holds at its rate
+        (10 ms more for late wake-ups), so that the capacity never limits the rate, yet memory
+        and the queue before a slower next hop stay bounded."""
+        if self.wire.bytes_per_s is None:
+            return UNLIMITED_PIPE
+        return int(2 * self.wire.bytes_per_s * (self.delay_s + self.jitter_s + 0.01)) + 4 * segment
+
+
+def _hops(spec: LinkSpec, up: _Wire, down: _Wire) -> tuple[_Hop, _Hop]:
+    delay, jitter = spec.rtt_ms / 2000, spec.jitter_ms / 1000
+    return _Hop(up, delay, jitter), _Hop(down, delay, jitter)
+
+
+class _PreciseEpollSelector(selectors.EpollSelector if hasattr(selectors, "EpollSelector") else selectors.DefaultSelector):  # type: ignore[misc]
+    """epoll waits in whole milliseconds (Python rounds a timeout up), which makes every timer
+    up to 1 ms late (0.8 ms median here): too coarse for a 2 ms RTT accuracy. select() waits in
+    microseconds, and the epoll descriptor itself is readable when an event is ready, so the
+    wait goes through select() on it and the events are then collected without waiting."""
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        fd = self._selector.fileno()  # type: ignore[attr-defined]
+        if timeout is not None and timeout > 0 and fd < 1024:  # FD_SETSIZE
+            select.select([fd], [], [], timeout)
+            timeout = 0
+        return super().select(timeout)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    if hasattr(selectors, "EpollSelector"):
+        return asyncio.SelectorEventLoop(_PreciseEpollSelector())
+    return asyncio.SelectorEventLoop()
+
+
+def _ask_for_short_slices() -> bool:
+    """Asks the kernel for 0.1 ms time slices for the calling thread (EEVDF, Linux 6.12+): a
+    task with a short slice has an earlier deadline, so when it wakes it preempts a CPU-bound
+    process at once instead of waiting out that one's slice. Measured with other processes
+    busy on both cores: a 10 ms RTT came out +2 to +4 ms long in 30% of the measurements
+    without it, in none with it. It asks for no more CPU and needs no privilege; an older
+    kernel ignores it. True if the kernel took it."""
+    numbers = _SCHED_ATTR_SYSCALLS.get(platform.machine())
+    if numbers is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = ctypes.create_string_buffer(56)
+        if libc.syscall(numbers[1], 0, current, 56, 0) != 0:
+            return False
+        _, policy, _, nice, priority, _, _, _ = struct.unpack_from("IIQiIQQQ", current.raw)
+        if policy != 0:  # SCHED_OTHER only; keep its nice value as it is
+            return False
+        wanted = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 48, policy, 0, nice, priority, WAKE_SLICE_NS, 0, 0), 48)
+        return libc.syscall(numbers[0], 0, wanted, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    """Sleeps to an absolute time (not for a duration), so that lateness never accumulates.
+    Waking from a long sleep is late by ~0.25 ms on a VM (an idle CPU), from a short one by
+    ~0.08 ms: a long sleep ends 1 ms early, then a short one hits the time."""
+    if when - loop.time() > 0.002:
+        await _timer(loop, when - 0.001)
+    await _timer(loop, when)
+
+
+async def _timer(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    if when <= loop.time():
+        return
+    fut = loop.create_future()
+    handle = loop.call_at(when, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        handle.cancel()
+
+
+class _Side(asyncio.Protocol):
+    """One socket of a proxied connection. It keeps what it received with the time it came (when
+    it was ready to enter the link) and stops reading the socket past a small read-ahead, so
+    memory stays bounded and the sender is held back by its socket buffer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, registry: set[_Side], on_made: Callable[[_Side], None] | None = None) -> None:
+        self.loop, self.registry, self.on_made = loop, registry, on_made
+        self.read_ahead = MIN_READ_AHEAD  # until the connection knows its segment length
+        registry.add(self)  # the emulator's stop() aborts whatever is still open
+        self.transport: asyncio.Transport | None = None
+        self.chunks: deque[tuple[float, bytes]] = deque()
+        self.size = 0
+        self.eof_at: float | None = None
+        self.lost = False
+        self.on_lost: Callable[[], None] = lambda: None  # set by the connection that owns this side
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if self.on_made is not None:
+            self.on_made(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append((self.loop.time(), data))
+        self.size += len(data)
+        self._readable.set()
+        if self.size >= self.read_ahead and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof_at = self.loop.time()
+        self._readable.set()
+        return True  # keep the socket open for writing: a half-close passes through
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.registry.discard(self)
+        if self.eof_at is None:
+            self.eof_at = self.loop.time()
+        self._readable.set()
+        self._writable.set()
+        self.on_lost()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    async def take(self, max_n: int) -> tuple[float, bytes | None]:
+        """Up to ``max_n`` received bytes and when the last of them came; (time, None) at EOF."""
+        while not self.chunks:
+            if self.eof_at is not None:
+                return self.eof_at, None
+            self._readable.clear()
+            await self._readable.wait()
+        parts, n, ready = [], 0, 0.0
+        while self.chunks and n < max_n:
+            ready, data = self.chunks[0]
+            if n + len(data) > max_n:
+                cut = max_n - n
+                self.chunks[0] = (ready, data[cut:])
+                data = data[:cut]
+            else:
+                self.chunks.popleft()
+            parts.append(data)
+            n += len(data)
+        self.size -= n
+        if self._paused and self.size < self.read_ahead and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return ready, parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def send(self, data: bytes) -> bool:
+        """Writes and waits while the socket's buffer is full; False if the socket is gone."""
+        if self.lost or self.transport is None or self.transport.is_closing():
+            return False
+        self.transport.write(data)
+        if not self._writable.is_set():
+            await self._writable.wait()
+        return not self.lost
+
+    def send_eof(self) -> None:
+        if not self.lost and self.transport is not None and not self.transport.is_closing() and self.transport.can_write_eof():
+            self.transport.write_eof()
+
+    def close(self, abort: bool = False) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort() if abort else self.transport.close()
+
+
+class _Pipe:
+    """Segments between two stages, each with the time it reaches the next one: what is in
+    flight on a hop or queued before the next. Bounded in bytes: a full pipe holds back the
+    stage that feeds it. One producer, one consumer."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.items: deque[tuple[float, bytes | None]] = deque()
+        self.size = 0
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    async def put(self, when: float, data: bytes | None) -> None:
+        while self.size >= self.capacity:
+            self._writable.clear()
+            await self._writable.wait()
+        self.items.append((when, data))
+        self.size += len(data) if data else 0
+        self._readable.set()
+
+    async def get(self, _max_n: int = 0) -> tuple[float, bytes | None]:
+        while not self.items:
+            self._readable.clear()
+            await self._readable.wait()
+        when, data = self.items.popleft()
+        self.size -= len(data) if data else 0
+        if self.size < self.capacity:
+            self._writable.set()
+        return when, data
+
+
+Source = Callable[[int], Any]  # awaitable -> (time, bytes | None)
+
+
+class WanEmulator:
+    """One listening port per named link on 127.0.0.1; every connection accepted there is
+    forwarded to the upstream (the coordinator) through that link's shaping, and through the
+    shared coordinator link if given. Runs an asyncio loop on a daemon thread of its own."""
+
+    def __init__(
+        self,
+        upstream: Address | Callable[[], Address],
+        links: Mapping[str, LinkSpec],
+        coordinator: LinkSpec | None = None,
+        *,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        for name, spec in {**{f"links.{n}": s for n, s in links.items()}, "coordinator": coordinator}.items():
+            if spec is not None and (msg := spec.problem(name)) is not None:
+                raise ValueError(msg)
+        if not links:
+            raise ValueError("links: give at least one link")
+        self._upstream = upstream if callable(upstream) else (lambda: upstream)
+        self._specs, self._coordinator, self._seed, self._host = dict(links), coordinator, seed, host
+        self._wires = {n: (_Wire(s.up_mbit), _Wire(s.down_mbit)) for n, s in links.items()}
+        self._coord_wires = None if coordinator is None else (_Wire(coordinator.up_mbit), _Wire(coordinator.down_mbit))
+        self._stats: dict[str, dict[str, Any]] = {
+            n: {"bytes_up": 0, "bytes_down": 0, "connections": 0, "open": 0, "upstream_failures": 0, "errors": 0, "port": None, "spec": s.to_dict()}
+            for n, s in links.items()
+        }
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sides: set[_Side] = set()
+        self._stopped = False
+        self.short_slices = False  # whether the kernel gave the loop's thread short time slices
+
+    # --- the caller's thread ---------------------------------------------------------------
+
+    def start(self) -> dict[str, int]:
+        """Starts listening; returns link name -> port."""
+        if self._thread is not None:
+            raise RuntimeError("WanEmulator.start: already started")
+        loop = self._loop = _new_loop()
+        opened: dict[str, Any] = {}
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            self.short_slices = _ask_for_short_slices()
+            try:
+                opened["ports"] = loop.run_until_complete(self._open())
+            except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+                opened["error"] = e
+            ready.set()
+            if "error" not in opened:
+                loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="wan-emulator", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if "error" in opened:
+            self._thread.join()
+            raise opened["error"]
+        return dict(opened["ports"])
+
+    def stop(self) -> None:
+        """Closes the listeners and every connection, then the loop; idempotent."""
+        if self._stopped or self._thread is None or self._loop is None:
+            self._stopped = True
+            return
+        self._stopped = True
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=10)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per link: bytes_up and bytes_down (delivered), connections (accepted), open, upstream
+        failures (connections closed because the upstream could not be reached), errors, port and
+        the spec."""
+        return {n: dict(s) for n, s in self._stats.items()}
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    # --- the loop's thread -----------------------------------------------------------------
+
+    async def _open(self) -> dict[str, int]:
+        loop = asyncio.get_running_loop()
+        ports = {}
+        for name in self._specs:
+            server = await loop.create_server(lambda name=name: self._new_side(name), self._host, 0)
+            # Accepted sockets inherit it: a fixed buffer instead of loopback's autotuned
+            # megabytes, so that the queue hidden in front of the link is about the sender's own.
+            server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+            self._servers.append(server)
+            ports[name] = self._stats[name]["port"] = server.sockets[0].getsockname()[1]
+        return ports
+
+    async def _close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for side in list(self._sides):
+            side.close(abort=True)
+        for _ in range(100):  # the aborted transports call connection_lost on the next turns
+            if not self._sides:
+                break
+            await asyncio.sleep(0.01)
+        for server in self._servers:
+            try:
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+            except TimeoutError:
+                pass  # Python 3.12+ waits for connections here; they are aborted: nothing to lose
+
+    def _new_side(self, link: str | None) -> _Side:
+        on_made = None if link is None else lambda side: self._accepted(link, side)
+        return _Side(asyncio.get_running_loop(), self._sides, on_made)
+
+    def _accepted(self, link: str, client: _Side) -> None:
+        self._stats[link]["connections"] += 1
+        task = asyncio.get_running_loop().create_task(self._serve(link, client, self._stats[link]["connections"]))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, host: str, port: int) -> _Side:
+        loop = asyncio.get_running_loop()
+        info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(info[0][0], socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+            await loop.sock_connect(sock, info[0][4])
+            _, side = await loop.create_connection(lambda: self._new_side(None), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        return side
+
+    def _paths(self, link: str) -> tuple[list[_Hop], list[_Hop]]:
+        """The hops of each direction: site -> coordinator, coordinator -> site."""
+        up, down = _hops(self._specs[link], *self._wires[link])
+        if self._coordinator is None or self._coord_wires is None:
+            return [up], [down]
+        c_up, c_down = _hops(self._coordinator, *self._coord_wires)
+        return [up, c_down], [c_up, down]
+
+    async def _serve(self, link: str, client: _Side, number: int) -> None:
+        loop = asyncio.get_running_loop()
+        stats = self._stats[link]
+        stats["open"] += 1
+        accepted_at = loop.time()
+        upstream: _Side | None = None
+        directions: list[list[asyncio.Task[None]]] = []
+        try:
+            try:
+                upstream = await asyncio.wait_for(self._connect(*self._upstream()), CONNECT_TIMEOUT_S)
+            except (OSError, ValueError, KeyError, TypeError, TimeoutError):
+                stats["upstream_failures"] += 1
+                return
+            up_path, down_path = self._paths(link)
+            rtt = sum(h.delay_s for h in up_path + down_path)
+            up = self._direction(client, upstream, up_path, stats, "bytes_up", f"{self._seed}:{link}:{number}:up", not_before=accepted_at + rtt)
+            down = self._direction(upstream, client, down_path, stats, "bytes_down", f"{self._seed}:{link}:{number}:down", not_before=0.0)
+            directions = [up, down]
+            # A socket that is gone stops the direction that writes into it (nothing can arrive
+            # there); the other direction still delivers what is in flight.
+            client.on_lost = lambda: [t.cancel() for t in down]
+            upstream.on_lost = lambda: [t.cancel() for t in up]
+            for side in (client, upstream):
+                if side.lost:
+                    side.on_lost()
+            for result in await asyncio.gather(up[-1], down[-1], return_exceptions=True):
+                if isinstance(result, Exception):
+                    stats["errors"] += 1
+        except Exception:  # noqa: BLE001 - one connection's failure must not stop the others
+            stats["errors"] += 1
+        finally:
+            for task in (t for tasks in directions for t in tasks):
+                task.cancel()
+            for side in (client, upstream):
+                if side is not None:
+                    side.close()  # after what is still buffered for it was written
+            stats["open"] -= 1
+
+    def _direction(self, src: _Side, dst: _Side, hops: list[_Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float) -> list[asyncio.Task[None]]:
+        """The tasks that carry one direction: one per shaping hop, then the delivery; the last
+        one ends when the EOF was delivered or the destination is gone."""
+        loop = asyncio.get_running_loop()
+        shaping = [h for h in hops if h.shapes]
+        rates = [h.wire.bytes_per_s for h in shaping if h.wire.bytes_per_s is not None]
+        segment = MAX_SEGMENT if not rates else max(MIN_SEGMENT, min(MAX_SEGMENT, int(min(rates) * SEGMENT_S)))
+        wanted = max(READ_AHEAD_SEGMENTS * segment, int(min(rates, default=0) * READ_AHEAD_S))
+        src.read_ahead = max(MIN_READ_AHEAD, min(MAX_READ_AHEAD, wanted))
+        source: Source = src.take
+        tasks = []
+        for i, hop in enumerate(shaping):
+            pipe = _Pipe(hop.pipe_bytes(segment))
+            rng = random.Random(f"{seed}:{i}") if hop.jitter_s > 0 else None
+            tasks.append(loop.create_task(_carry(source, hop, pipe, segment, rng, not_before if i == 0 else 0.0)))
+            source = pipe.get
+        tasks.append(loop.create_task(_deliver(source, dst, segment, stats, counter)))
+
+        def failed(task: asyncio.Task[None]) -> None:
+            # A stage that fails would leave the delivery waiting forever: end the direction.
+            if not task.cancelled() and task.exception() is not None:
+                stats["errors"] += 1
+                for t in tasks:
+                    t.cancel()
+
+        for task in tasks[:-1]:
+            task.add_done_callback(failed)
+        return tasks
+
+
+async def _carry(source: Source, hop: _Hop, out: _Pipe, segment: int, rng: random.Random | None, not_before: float) -> None:
+    """One hop of one direction: each segment waits until it reaches the hop, takes its turn on
+    the hop's wire, and is handed on with the time it arrives at the far end."""
+    loop = asyncio.get_running_loop()
+    last_arrival = 0.0
+    while True:
+        ready, data = await source(segment)
+        ready = max(ready, not_before)
+        await _sleep_until(loop, ready)
+        # The wire is reserved from `ready`, not from now: waking up late must not slow the link.
+        done = hop.wire.transmit(ready, len(data) if data else 0)
+        await _sleep_until(loop, done)  # back-pressure: the next segment is read once this one left
+        jitter = rng.uniform(0, hop.jitter_s) if rng is not None else 0.0
+        last_arrival = max(done + hop.delay_s + jitter, last_arrival)
+        await out.put(last_arrival, data)
+        if data is None:
+            return
+
+
+async def _deliver(source: Source, dst: _Side, segment: int, stats: dict[str, Any], counter: str) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        when, data = await source(segment)
+        await _sleep_until(loop, when)
+        if data is None:
+            dst.send_eof()
+            return
+        if not await dst.send(data):
+            return
+        stats[counter] += len(data)
+
+
+# --- the process ---------------------------------------------------------------------------
+
+_SPEC_KEYS = ("upstream", "upstream_port_file", "links", "coordinator", "seed")
+
+
+def emulator_from_spec(spec: Mapping[str, Any]) -> WanEmulator:
+    """The emulator a SPEC.json describes (module docstring of main); ValueError names the field."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"spec: must be a JSON object with keys {', '.join(_SPEC_KEYS)}")  # noqa: TRY004 - one error type for a bad config
+    unknown = sorted(str(k) for k in spec if k not in _SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"spec: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(_SPEC_KEYS)}")
+    if ("upstream" in spec) == ("upstream_port_file" in spec):
+        raise ValueError("spec.upstream / spec.upstream_port_file: give exactly one of them")
+    upstream: Address | Callable[[], Address]
+    if "upstream" in spec:
+        upstream = _address(spec["upstream"], "spec.upstream")
+    else:
+        path = spec["upstream_port_file"]
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"spec.upstream_port_file={path!r}: must be a file path")
+        upstream = _port_file_reader(Path(path))
+    links = spec.get("links")
+    if not isinstance(links, Mapping) or not links:
+        raise ValueError(f"spec.links={links!r}: must map at least one link name to a link")
+    for name in links:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"spec.links: link name {name!r} must be a non-empty string")
+    coordinator = spec.get("coordinator")
+    seed = spec.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"spec.seed={seed!r}: must be an integer")  # noqa: TRY004 - one error type for a bad config
+    return WanEmulator(
+        upstream,
+        {name: LinkSpec.from_dict(d, f"spec.links.{name}") for name, d in links.items()},
+        None if coordinator is None else LinkSpec.from_dict(coordinator, "spec.coordinator"),
+        seed=seed,
+    )
+
+
+def _address(d: object, where: str) -> Address:
+    if not isinstance(d, Mapping) or not isinstance(d.get("host"), str) or not isinstance(d.get("port"), int) or not 0 < d["port"] < 65536:
+        raise ValueError(f"{where}={d!r}: must be {{\"host\": str, \"port\": 1..65535}}")
+    return d["host"], d["port"]
+
+
+def _port_file_reader(path: Path) -> Callable[[], Address]:
+    """Reads the file at every new connection: a restarted coordinator may listen elsewhere."""
+    return lambda: _address(json.loads(path.read_text()), str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m diloco.sim.wan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", required=True, help="JSON: upstream or upstream_port_file, links, coordinator, seed")
+    p.add_argument("--ports-out", required=True, help="written (atomically) once listening: {link name: port}")
+    p.add_argument("--stats-out", help="written on SIGTERM/SIGINT: per link bytes and connections")
+    args = p.parse_args(argv)
+    try:
+        emulator = emulator_from_spec(json.loads(Path(args.spec).read_text()))
+    except (OSError, ValueError) as e:
+        print(f"diloco.sim.wan: {args.spec}: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    try:
+        ports = emulator.start()
+        write_json_atomic(Path(args.ports_out), ports)
+        print(f"diloco.sim.wan: listening on 127.0.0.1: {json.dumps(ports)}; short scheduler slices: {emulator.short_slices}", flush=True)
+        while not stop.wait(0.2):
+            pass
+    finally:
+        emulator.stop()
+    if args.stats_out:
+        write_json_atomic(Path(args.stats_out), emulator.stats())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

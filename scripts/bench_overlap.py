@@ -1,0 +1,132 @@
+"""Hiding the network, measured: the same DiLoCo run (4 sites, equal tokens) through emulated
+links, once per way of syncing (blocking, streaming fragments without and with overlap,
+eager, delayed), each with its compute utilization, stalls and final eval bpb, next to what
+diloco-plan predicts from the run's own measured step time and a loopback sync's cost.
+
+    .venv/bin/python scripts/bench_overlap.py --bandwidth-mbit 10 --rtt-ms 100 --out runs/overlap_10.json
+    .venv/bin/python scripts/bench_overlap.py --bandwidth-mbit 100 --rtt-ms 50 --out runs/overlap_100.json
+
+Every run is a real simulation (separate processes, TLS, the WAN emulator process shaping the
+byte streams between each site and the coordinator). Read the figures from an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco.app.config import run_config_from_dict
+from diloco.plan import Plan, predict, run_utilization
+from diloco.sim.launcher import run_simulation
+from diloco.sim.links import wan_plan
+
+MODES: dict[str, dict[str, Any]] = {
+    "blocking": {},
+    "streaming F=5 τ=0": {"fragments": 5},  # H=50: F must divide H (4 does not)
+    "streaming F=5 τ=5": {"fragments": 5, "overlap_steps": 5},
+    "streaming F=5 τ=5 delta": {"fragments": 5, "overlap_steps": 5, "merge": "delta"},
+    "eager": {"outer_mode": "eager"},
+    "delayed": {"outer_mode": "delayed"},
+}
+
+
+def _workers(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
+
+
+def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path) -> dict[str, Any]:
+    cfg = run_config_from_dict({**base, **extra})
+    t = time.monotonic()
+    s = run_simulation(cfg, run_dir, progress=None, wan=wan)
+    workers = _workers(run_dir)
+    step_s = statistics.median(w["inner_step_s_median"] for w in workers)
+    pushes = cfg.sync_rounds * cfg.sites
+    return {
+        "config": extra,
+        "wall_s": round(time.monotonic() - t, 1),
+        "final_eval_bpb": s["final_eval_bpb"],
+        "hashes_equal": s["hashes_equal"],
+        "compute_utilization": s["compute_utilization"],
+        "utilization_until_last_step": s.get("utilization_until_last_step"),
+        "stall_s": s["stall_s"],
+        "step_s": step_s,
+        "bytes_up_per_push": s["bytes_up"] / pushes,
+        "bytes_down_per_pull": sum(sum(b["down"] for b in (w.get("fragment_bytes") or {}).values()) for w in workers) / pushes if cfg.fragments > 1 else None,
+        "sync_s_median": [w["sync_s_median_per_rank"][0] for w in workers],
+        "params": s["params"],
+    }
+
+
+def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float) -> dict[str, Any]:
+    """diloco-plan's prediction for the run, from its own measured step time and payload bits."""
+    bits = 8 * r["bytes_up_per_push"] * extra.get("fragments", 1) / r["params"]
+    plan = Plan(
+        params=r["params"], step_s=r["step_s"], sync_every=base["sync_every"], bits=bits, fragments=extra.get("fragments", 1),
+        overlap_steps=extra.get("overlap_steps", 0), outer_mode=extra.get("outer_mode", "blocking"), sites=base["sites"],
+        bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s,
+    )  # fmt: skip
+    p = predict(plan)
+    run = run_utilization(plan, base["rounds"])
+    until = run_utilization(plan, base["rounds"], tail=False)
+    return {"utilization": round(p.utilization, 4), "run_utilization": round(run, 4), "utilization_until_last_step": round(until, 4), "round_s": round(p.round_s, 3), "sync_s": round(p.sync_s, 3), "bits": round(bits, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--sites", type=int, default=4)
+    ap.add_argument("--sync-every", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--bandwidth-mbit", type=float, default=10.0)
+    ap.add_argument("--rtt-ms", type=float, default=100.0)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--overhead-s", type=float, help="the sync's fixed cost for the planner; default: measured by a loopback blocking run first")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    base = {"sites": args.sites, "sync_every": args.sync_every, "rounds": args.rounds, "codec": args.codec, "model": {"name": args.model},
+            "data": {"batch_size": args.batch_size}, "eval_every": 1000}  # fmt: skip
+    link = {"bandwidth_mbit": args.bandwidth_mbit, "rtt_ms": args.rtt_ms}
+    wan = wan_plan(link, None, args.sites)
+    results: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        # The sync's fixed cost (encode, commit, decode) on loopback, for the planner.
+        if args.overhead_s is None:
+            ref = run_one(base, {}, None, Path(tmp) / "loopback")
+            overhead = statistics.median(sum(v for k, v in t.items() if k != "wait_s") for t in ref["sync_s_median"])
+            results["loopback_blocking"] = ref | {"overhead_s": round(overhead, 4)}
+            print(f"loopback blocking: utilization {ref['compute_utilization']['run']:.3f}, step {ref['step_s']:.3f} s, sync overhead {overhead:.3f} s, bpb {ref['final_eval_bpb']:.4f}", flush=True)
+        else:
+            overhead = args.overhead_s
+            results["overhead_s"] = overhead
+        for name in args.modes.split(","):
+            extra = MODES[name]
+            r = run_one(base, extra, wan, Path(tmp) / name.replace(" ", "_"))
+            r["predicted"] = plan_for(r, base, extra, args.bandwidth_mbit, args.rtt_ms, overhead)
+            results["runs"][name] = r
+            u = r["compute_utilization"]["run"]
+            t = (r["utilization_until_last_step"] or {}).get("run", float("nan"))
+            pr = r["predicted"]
+            print(f"{name:<20} utilization {u:.3f} (planned {pr['run_utilization']:.3f}), until the last step {t:.3f} (planned {pr['utilization_until_last_step']:.3f}), steady planned {pr['utilization']:.3f}  stall {statistics.median(r['stall_s'].values()):7.1f} s  bpb {r['final_eval_bpb']:.4f}  wall {r['wall_s']:.0f} s  hashes_equal {r['hashes_equal']}", flush=True)
+            if args.out:  # after every run: a run cut short keeps what finished
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=1))
+    blocking = results["runs"].get("blocking")
+    if blocking:
+        for name, r in results["runs"].items():
+            r["bpb_vs_blocking"] = round(r["final_eval_bpb"] / blocking["final_eval_bpb"] - 1, 4)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
