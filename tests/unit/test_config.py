@@ -102,7 +102,7 @@ def test_the_sparse_recipes_set_codec_decay_aggregate_and_outer(config_name: str
 
     from diloco.cli.common import run_config
 
-    sections = {"sim": ("sim", "faults"), "coordinator": ("coordinator",), "site": ("site",)}[config_name]
+    sections = {"sim": ("sim", "faults", "wan", "site_wan"), "coordinator": ("coordinator",), "site": ("site",)}[config_name]
     with initialize_config_module("diloco.conf", version_base=None):
         cfg = run_config(compose(config_name, overrides=[f"recipe={recipe}"]), sections)
         # a key on the command line still wins over the recipe
@@ -115,7 +115,7 @@ def test_the_sparse_recipes_set_codec_decay_aggregate_and_outer(config_name: str
     assert (plain.codec.name, plain.error_feedback_decay, plain.outer.momentum, plain.aggregate) == ("fp32", 1.0, 0.9, "mean")
 
 
-@pytest.mark.parametrize(("config_name", "sections"), [("sim", ("sim", "faults")), ("coordinator", ("coordinator",)), ("site", ("site",))])
+@pytest.mark.parametrize(("config_name", "sections"), [("sim", ("sim", "faults", "wan", "site_wan")), ("coordinator", ("coordinator",)), ("site", ("site",))])
 def test_the_composed_hydra_defaults_are_the_dataclasses_defaults(config_name: str, sections: tuple[str, ...]) -> None:
     """conf/*.yaml repeat RunConfig's defaults for the command line; nothing may drift."""
     from hydra import compose, initialize_config_module
