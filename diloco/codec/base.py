@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from diloco.security.ids import quote
@@ -27,7 +28,9 @@ class Codec(Protocol):
     payload can be cut without re-encoding also has ``slice_payload(payload, numel, start,
     stop)`` (the coordinator then sends a rank of a sharded site only the elements it holds).
     A decoder raises CodecError, never another exception, for a payload that does not
-    match numel; an encoder raises CodecError for input it cannot represent.
+    match numel; an encoder raises CodecError for input it cannot represent. A codec may also
+    have ``decode_into(payload, numel, out)``, which writes ``decode``'s values into a
+    contiguous float32 tensor ``out`` of numel elements (receivers then skip a temporary).
     """
 
     name: str
@@ -61,6 +64,12 @@ class Fp32Codec:
     def encode(self, flat: torch.Tensor) -> bytes:
         return flat.detach().to(torch.float32).contiguous().numpy().tobytes()
 
+    def encode_view(self, flat: torch.Tensor) -> memoryview:
+        """``encode``'s bytes without copying them: a view of ``flat``'s memory (a copy only
+        when it is not already contiguous float32 on the CPU). Valid, and equal to
+        ``encode(flat)``, for as long as ``flat`` is not written to."""
+        return memoryview(flat.detach().to(torch.float32).contiguous().numpy()).cast("B")
+
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         if len(payload) != 4 * numel:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel} for {numel} elements")
@@ -69,6 +78,16 @@ class Fp32Codec:
         # bytearray: torch.frombuffer needs a writable buffer to avoid a warning, and the
         # decoded tensor must own its memory once the message is gone.
         return torch.frombuffer(bytearray(payload), dtype=torch.float32)
+
+    def decode_into(self, payload: bytes, numel: int, out: torch.Tensor) -> None:
+        """``decode`` written into ``out`` (a contiguous float32 CPU tensor of ``numel``
+        elements): one copy from the payload, no temporary tensor."""
+        if len(payload) != 4 * numel:
+            raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel} for {numel} elements")
+        if out.numel() != numel or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"decode_into needs a contiguous float32 tensor of {numel} elements, got {out.dtype} {list(out.shape)}")
+        if numel:
+            out.numpy()[:] = np.frombuffer(payload, dtype="<f4", count=numel)
 
     def max_chunk_numel(self, chunk_bytes: int) -> int:
         return max(1, chunk_bytes // 4)

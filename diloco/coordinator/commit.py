@@ -5,6 +5,7 @@ feedback are the state they move), called by the coordinator under its lock."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,13 +65,19 @@ class UpdateEncoder:
     def of(codec: Codec, specs: Mapping[str, TensorSpec], chunk_bytes: int, error_feedback: bool) -> UpdateEncoder:
         return UpdateEncoder(codec, specs, chunk_bytes, ErrorFeedback() if error_feedback and not is_lossless(codec.name) else None)
 
-    def encode(self, update: Mapping[str, torch.Tensor]) -> list[Chunk]:
-        return list(encode_chunks(update, codec=self.codec, chunk_bytes=self.chunk_bytes))
+    def encode(self, update: Mapping[str, torch.Tensor], views: bool = False) -> list[Chunk]:
+        """``views``: payloads may be views of ``update``'s memory (the Downlink copies them
+        into bytes, bundled, off the commit's path: diloco.coordinator.downlink)."""
+        return list(encode_chunks(update, codec=self.codec, chunk_bytes=self.chunk_bytes, views=views))
 
     def transmit(self, proposed: dict[str, torch.Tensor], sink: Callable[[list[Chunk]], None]) -> dict[str, torch.Tensor]:
         """Encodes the update once (handed to ``sink``) and returns it decoded, exactly as every
         site will decode it. The encoding error goes into the next round's update (server-side
-        error feedback), so a lossy downlink loses nothing over time."""
+        error feedback), so a lossy downlink loses nothing over time. A lossless codec
+        delivers exactly what it encodes: ``proposed`` itself is returned, not decoded again."""
+        if is_lossless(self.codec.name):
+            sink(self.encode(proposed, views=True))  # nothing writes to the update after this
+            return proposed
         if self.feedback is not None:
             proposed = self.feedback.compensate(proposed)
         chunks = self.encode(proposed)
@@ -95,32 +102,62 @@ class Closing:
     snapshot: bool  # attach a copy of θ to the record
 
 
-def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder: UpdateEncoder, closing: Closing) -> tuple[RoundRecord, list[Chunk]]:
+def commit(
+    state: RoundState,
+    outer: OuterOptimizer,
+    guard: SpikeGuard,
+    encoder: UpdateEncoder,
+    closing: Closing,
+    times: dict[str, float] | None = None,
+    hash_params: bool = True,
+) -> tuple[RoundRecord, list[Chunk]]:
     """Applies the round: the guard judges the participants' mean Δ; if accepted, the outer
     optimizer steps (its update encoded once for the sites), else θ stays and the sites get a
     zero update. Total: whatever the pushes held, it returns the round's record and its
     encoded update; a mean Δ or an outer step that is not finite, or absurd, rejects the
-    round (θ, the optimizer state and the downlink residual stay as they were)."""
+    round (θ, the optimizer state and the downlink residual stay as they were). ``times``
+    (optional) gets the seconds of its parts: mean_s, step_s (the outer step, the downlink's
+    encoding included: encode_s), record_s (the round's record, θ's hash included).
+    ``hash_params=False``: the record's ``global_sha256`` is left empty, for the caller to set
+    (the coordinator hashes θ while the commit's checkpoint is written)."""
+    times = times if times is not None else {}
+    t0 = time.perf_counter()
     r = state.number
     mean, refusal = _mean(state)
     delta_norm = l2(mean) if mean is not None else math.nan
+    if refusal is None and not math.isfinite(delta_norm):  # its norm is finite exactly when every value is
+        mean, delta_norm, refusal = None, math.nan, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
     if refusal is None:
         verdict = guard.judge(delta_norm)
         refusal = None if verdict.accepted else verdict.describe()
     sent: list[list[Chunk]] = []
     update = None
+    t1 = time.perf_counter()
+    times["mean_s"] = t1 - t0
+
+    def transmit(u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        te = time.perf_counter()
+        try:
+            return encoder.transmit(u, sent.append)
+        finally:
+            times["encode_s"] = time.perf_counter() - te
+
     if refusal is None and mean is not None:
         residual = encoder.feedback.residual if encoder.feedback is not None else None
         try:
-            update = outer.step(mean, transmit=lambda u: encoder.transmit(u, sent.append))
+            update = outer.step(mean, transmit=transmit)
         except OuterStepRefused as e:
             refusal = str(e)
             if encoder.feedback is not None:
                 encoder.feedback.residual = residual  # exactly as it was (carry would merge)
+    update_norm = outer.update_norm
     if update is None:
         # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
         update = {n: torch.zeros_like(outer.params[n]) for n in state.names}
         sent[:] = [encoder.encode(update)]
+        update_norm = 0.0
+    t2 = time.perf_counter()
+    times["step_s"] = t2 - t1
     pushed = sorted(state.pushes)
     headers = [state.pushes[s] for s in pushed]
     record = RoundRecord(
@@ -130,7 +167,7 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
         inner_steps=sum(h.inner_steps for h in headers),
         bytes_up=state.bytes_up,
         train_loss=weighted_loss(headers),
-        update_norm=l2(update),
+        update_norm=update_norm,
         delta_norm=delta_norm,
         rejected=refusal is not None,
         guard=refusal,
@@ -141,23 +178,21 @@ def commit(state: RoundState, outer: OuterOptimizer, guard: SpikeGuard, encoder:
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         fragment=state.fragment,
-        global_sha256=params_sha256(outer.params),
+        global_sha256=params_sha256(outer.params) if hash_params else "",
         wall_s=closing.now - state.opened_at,
         elapsed_s=closing.now - closing.started,
         params={n: p.clone() for n, p in outer.params.items()} if closing.snapshot else None,
     )
+    times["record_s"] = time.perf_counter() - t2
     return record, sent[0]
 
 
 def _mean(state: RoundState) -> tuple[dict[str, torch.Tensor] | None, str | None]:
-    """The round's mean Δ, or why there is none that can be applied."""
+    """The round's mean Δ, or why there is none (its finiteness is judged by its norm)."""
     try:
-        mean = state.acc.mean()
+        return state.acc.mean(), None
     except (ValueError, RuntimeError) as e:
         return None, f"no mean Δ: {e}"
-    if not all(bool(torch.isfinite(t).all()) for t in mean.values()):
-        return None, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
-    return mean, None
 
 
 def describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:

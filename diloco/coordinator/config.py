@@ -37,6 +37,9 @@ class CoordinatorConfig:
     max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
     staging_timeout_s: float = 30.0  # a push waits this long for a staging buffer, then is told to retry (resource_exhausted)
     fragments: int = 1  # streaming DiLoCo: round r syncs fragment r mod F of the parameters (diloco.outer.fragments)
+    # A whole pull's small chunks go in bundles (diloco.wire.bundles) of at most chunk_bytes:
+    # few stream messages for a model of many small tensors. False: one message per chunk.
+    bundle_downlink: bool = True
 
     def __post_init__(self) -> None:
         for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates", "max_tokens_per_push"):
@@ -63,6 +66,11 @@ class CoordinatorConfig:
             raise ValueError(f"staging_timeout_s={self.staging_timeout_s}: must be > 0")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+
+    @property
+    def bundle_bytes(self) -> int:
+        """The most payload one bundle of the downlink carries (0: no bundles)."""
+        return self.chunk_bytes if self.bundle_downlink else 0
 
     @property
     def policy(self) -> RoundPolicy:

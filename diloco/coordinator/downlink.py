@@ -1,23 +1,43 @@
 """What the coordinator serves to pullers: the encoded update of each recent round, θ encoded
 once per round for sites that (re)join, cut to the slices a rank asks for, and the bytes each
-round sent. Not thread-safe: the coordinator's lock guards it."""
+round sent. A whole pull gets the chunks bundled (diloco.wire.bundles: many small tensors in
+few messages); a pull of slices gets the plain chunks that hold its rows. Not thread-safe: the
+coordinator's lock guards it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from diloco.boxes import Box
-from diloco.wire import chunks_overlapping
 from diloco.errors import CoordinatorError
 from diloco.types import Chunk, TensorSpec
+from diloco.wire import MAX_CHUNK_BYTES, bundle_chunks, chunks_overlapping, inner_payload_bytes
+
+
+@dataclass(frozen=True)
+class _Served:
+    chunks: list[Chunk]  # as a whole pull gets them: small ones bundled
+    payload_bytes: int  # of the tensors' own payloads (bundle framing excluded)
+
+    @staticmethod
+    def of(chunks: list[Chunk], bundle_bytes: int) -> _Served:
+        """``chunks`` bundled, every payload then bytes (the encoder may hand views of the
+        update's memory: copied here, once)."""
+        served = bundle_chunks(chunks, bundle_bytes) if bundle_bytes else list(chunks)
+        served = [c if type(c.payload) is bytes else dataclasses.replace(c, payload=bytes(c.payload)) for c in served]
+        return _Served(served, sum(len(c.payload) for c in chunks))
 
 
 class Downlink:
-    def __init__(self, specs: Mapping[str, TensorSpec], keep_updates: int) -> None:
+    def __init__(self, specs: Mapping[str, TensorSpec], keep_updates: int, bundle_bytes: int = MAX_CHUNK_BYTES) -> None:
+        """``bundle_bytes``: the most payload one bundle carries (0: no bundles)."""
         self._specs = specs
         self._keep = keep_updates
-        self._updates: dict[int, list[Chunk]] = {}
-        self._global: tuple[int, list[Chunk]] | None = None  # (open round, θ as fp32 chunks)
+        self._bundle_bytes = bundle_bytes
+        self._updates: dict[int, _Served] = {}
+        self._global: tuple[int, _Served] | None = None  # (open round, θ as fp32 chunks)
         self._bytes: dict[int, int] = {}
 
     def check_want(self, want: Mapping[str, Box] | None) -> None:
@@ -28,29 +48,38 @@ class Downlink:
             if why is not None:
                 raise CoordinatorError("invalid_argument", f"pull of slices refused: {why}")
 
-    def put_update(self, round: int, chunks: list[Chunk]) -> None:
-        """Keeps round ``round``'s encoded update; forgets those ``keep_updates`` rounds older."""
-        self._updates[round] = chunks
+    def prepare(self, chunks: list[Chunk]) -> _Served:
+        """An update as it will be served (bundled): touches no state, so the coordinator
+        makes it without its lock, while the commit's checkpoint is written."""
+        return _Served.of(chunks, self._bundle_bytes)
+
+    def put_update(self, round: int, chunks: list[Chunk] | _Served) -> None:
+        """Keeps round ``round``'s encoded update (or what ``prepare`` made of it); forgets
+        those ``keep_updates`` rounds older."""
+        self._updates[round] = chunks if isinstance(chunks, _Served) else self.prepare(chunks)
         for old in [k for k in self._updates if k <= round - self._keep]:
             del self._updates[old]
 
     def update(self, round: int, want: Mapping[str, Box] | None) -> list[Chunk]:
-        chunks = self._updates.get(round)
-        if chunks is None:
+        served = self._updates.get(round)
+        if served is None:
             raise CoordinatorError("not_found", f"the update of round {round} is no longer kept; pull the global parameters instead")
-        return self._serve(round, chunks, want)
+        return self._serve(round, served, want)
 
     def global_params(self, open_round: int, encode: Callable[[], list[Chunk]], want: Mapping[str, Box] | None) -> list[Chunk]:
         """θ at ``open_round``: encoded once per round (by ``encode``) and shared by every
         puller, so sites joining together do not each hold a copy."""
         if self._global is None or self._global[0] != open_round:
-            self._global = (open_round, encode())
+            self._global = (open_round, _Served.of(encode(), self._bundle_bytes))
         return self._serve(open_round, self._global[1], want)
 
-    def _serve(self, round: int, chunks: list[Chunk], want: Mapping[str, Box] | None) -> list[Chunk]:
-        if want is not None:
-            chunks = chunks_overlapping(chunks, want)
-        self._bytes[round] = self._bytes.get(round, 0) + sum(len(c.payload) for c in chunks)
+    def _serve(self, round: int, served: _Served, want: Mapping[str, Box] | None) -> list[Chunk]:
+        if want is None:
+            chunks, payload = served.chunks, served.payload_bytes
+        else:
+            chunks = chunks_overlapping(served.chunks, want)  # plain chunks, out of the bundles
+            payload = inner_payload_bytes(chunks)
+        self._bytes[round] = self._bytes.get(round, 0) + payload
         return chunks
 
     def bytes_sent(self, round: int) -> int:

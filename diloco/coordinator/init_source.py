@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from diloco.codec import CodecError, is_lossless
-from diloco.wire import ChunkAssembler
+from diloco.wire import ChunkAssembler, unbundled
 from diloco.types import Chunk, TensorSpec
 from diloco.security.ids import quote
 
@@ -86,7 +86,7 @@ def decode_upload(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], keep
     CodecError naming what was wrong. ``keep_alive`` is called every KEEP_ALIVE_EVERY chunks
     (an upload may outlast the source's lease)."""
     assembler = ChunkAssembler(specs)
-    for i, chunk in enumerate(chunks):
+    for i, chunk in enumerate(unbundled(chunks)):
         if i % KEEP_ALIVE_EVERY == KEEP_ALIVE_EVERY - 1:
             keep_alive()
         if not is_lossless(chunk.codec):

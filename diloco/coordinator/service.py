@@ -13,12 +13,14 @@ meanwhile; pushes for the closing round and pulls of θ wait for the publication
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +48,10 @@ from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.outer.robust import judged_size
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
-from diloco.wire import ChunkAssembler, check_part, encode_chunks, fingerprint, mismatches
+from diloco.wire import ChunkAssembler, check_part, encode_chunks, fingerprint, mismatches, unbundled
 
 _KEEP_RECORDS = 16
+_KEEP_TIMINGS = 4096  # commit_timings: the last rounds' (a few hundred bytes each)
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
 JOIN_WAIT_S = 20.0  # init=site: how long a Join waits for θ₀ before it is told to try again
 
@@ -61,6 +64,8 @@ class _Commit:
     update: list[Chunk]
     checkpoint: dict[str, Any] | None
     closed_at: float  # the coordinator's clock at the commit: the next round opens then
+    times: dict[str, Any]  # seconds of the commit's parts (Coordinator.commit_timings)
+    digest: Future[str]  # θ's hash after the commit: computed by _publish while the checkpoint is written
 
 
 class Coordinator:
@@ -94,7 +99,7 @@ class Coordinator:
         self._participants: dict[int, list[str]] = {}
         self._ready = False  # θ₀ is set
         self._specs: dict[str, TensorSpec] = {}
-        self._downlink = Downlink(self._specs, cfg.keep_updates)  # what pullers get
+        self._downlink = Downlink(self._specs, cfg.keep_updates, cfg.bundle_bytes)  # what pullers get
         self._hash = ""
         self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
         self._start = clock()
@@ -111,6 +116,8 @@ class Coordinator:
         self._records: dict[int, dict[str, Any]] = {}  # the last few rounds' RoundRecord.summary()
         self._merged_done: set[tuple[str, int]] = set()  # (site, round) of every merged push (repeats are duplicates)
         self._parts = PartialPushes()  # parts of sharded sites' pushes, until each site's last part
+        # The seconds of each recent commit's parts (commit_timings): what the closing push costs.
+        self._timings: collections.deque[dict[str, Any]] = collections.deque(maxlen=_KEEP_TIMINGS)
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
@@ -118,7 +125,7 @@ class Coordinator:
         self._specs = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._encoder = UpdateEncoder.of(self.cfg.codec_down.build(), self._specs, self.cfg.chunk_bytes, self.cfg.error_feedback_down)
-        self._downlink = Downlink(self._specs, self.cfg.keep_updates)
+        self._downlink = Downlink(self._specs, self.cfg.keep_updates, self.cfg.bundle_bytes)
         self._split = split_fragments(self._shapes, self.cfg.fragments)  # ValueError: more fragments than layers
         self._round = self._open_round(self._open, self._clock())
         self._hash = params_sha256(self._outer.params)
@@ -435,7 +442,7 @@ class Coordinator:
             verdict = self._check_push(header)
         if verdict == "duplicate":
             return _duplicate(header)
-        return self._take(header, ((c, None) for c in chunks))
+        return self._take(header, ((c, None) for c in unbundled(chunks)))
 
     def _take(
         self, header: PushHeader, chunks: Iterable[tuple[Chunk, torch.Tensor | None]], sliced: list[dict[str, int]] | None = None, parts_payload: int = 0
@@ -446,8 +453,13 @@ class Coordinator:
 
         A buffer is taken only once the first chunk is here, and a site decodes one push at a
         time: a client that stalls holds at most one buffer, until its stream's idle deadline."""
+        t0, at = time.perf_counter(), time.monotonic()
         chunks = iter(chunks)
-        first = next(chunks, None)
+        try:
+            first = next(chunks, None)
+        except CodecError as e:  # a bundle that does not parse
+            raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} for round {header.round} rejected: {e}") from None
+        t_first = time.perf_counter()
         with self._staging.take(header.site_id) as staging:
             assembler = ChunkAssembler(self._round_specs(header.round), out=staging)
             try:
@@ -459,6 +471,7 @@ class Coordinator:
                 raise CoordinatorError("invalid_argument", f"push of site {header.site_id!r} for round {header.round} rejected: {e}") from None
             payload = assembler.payload_bytes + parts_payload
             size = judged_size(delta, self.cfg.robust)
+            received = time.perf_counter()
             with self._cv:
                 # The round may have moved on while we decoded; check again before touching it.
                 verdict = self._check_push(header)
@@ -474,7 +487,10 @@ class Coordinator:
                 else:
                     self._round.take(header, delta, self._clock(), sliced, judged)
                 self._round.bytes_up += payload
-                pending = self._maybe_commit()
+                # The push's receive and decode (from its first chunk), and the wait for the lock.
+                pending = self._maybe_commit(
+                    {"closer": header.site_id, "began_at": at, "first_chunk_s": t_first - t0, "receive_s": received - t0, "lock_s": time.perf_counter() - received}
+                )
         for push_listener in self.on_push:
             push_listener(header.round)
         self._publish(pending)
@@ -493,6 +509,18 @@ class Coordinator:
             self._refusals[site_id] = self._refusals.get(site_id, 0) + 1
         return judged
 
+    def commit_timings(self) -> list[dict[str, Any]]:
+        """The recent commits' parts, in seconds, oldest first: ``round``, ``closer`` (the site
+        whose push closed it; None for a round the ticker closed), ``receive_s`` (the closing
+        push's receive and decode, of which ``first_chunk_s`` until its first chunk, from
+        ``began_at``), ``lock_s``, ``commit_s`` (the commit under the lock: its
+        ``mean_s``, ``step_s`` with ``encode_s``, ``record_s``), ``checkpoint_s`` (made
+        durable, without the lock; meanwhile θ is hashed on another thread: ``hash_s``),
+        ``publish_s`` and ``published_at`` (``began_at`` and
+        ``published_at`` read time.monotonic, the others time.perf_counter)."""
+        with self._cv:
+            return [dict(t) for t in self._timings]
+
     def refusals(self) -> dict[str, int]:
         """Site -> how many of its pushes the norm bound refused over the run."""
         with self._cv:
@@ -507,7 +535,7 @@ class Coordinator:
         if verdict == "duplicate":
             return _duplicate(header)
         try:
-            kept, boxes, payload = check_part(self._round_specs(header.round), (self._check_fragment(header.round, c.name) or c for c in chunks))
+            kept, boxes, payload = check_part(self._round_specs(header.round), (self._check_fragment(header.round, c.name) or c for c in unbundled(chunks)))
         except CodecError as e:
             raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
         with self._cv:
@@ -568,9 +596,10 @@ class Coordinator:
             self._site_evals.add(header.site_id, header.eval)
 
     # ---- commits ---------------------------------------------------------------------
-    def _maybe_commit(self) -> _Commit | None:
+    def _maybe_commit(self, times: dict[str, Any] | None = None) -> _Commit | None:
         """Under the lock: closes the open round if the policy allows it. θ moves now; the
-        round is published by ``_publish`` once its checkpoint is durable."""
+        round is published by ``_publish`` once its checkpoint is durable. ``times``: what the
+        closing push measured so far (commit_timings)."""
         if not self._ready or self._committing or self._open >= self.cfg.total_rounds:
             return None
         state = self._round
@@ -581,15 +610,21 @@ class Coordinator:
         closing = Closing(
             active=self._members.active, now=self._clock(), started=self._start, snapshot=(every > 0 and (r + 1) % every == 0) or r + 1 == self.cfg.total_rounds
         )
-        record, update = commit(state, self._outer, self._guard, self._encoder, closing)
+        times = {"round": r, "closer": None, **(times or {})}
+        t0 = time.perf_counter()
+        record, update = commit(state, self._outer, self._guard, self._encoder, closing, times, hash_params=False)
+        times["commit_s"] = time.perf_counter() - t0
+        # θ's hash is the checkpoint's and the record's: a Future until _publish has it (it is
+        # computed while the checkpoint's tensors are written; nothing moves θ before then).
+        digest: Future[str] = Future()
         self._participants[r] = record.participants
-        self._records[r] = record.summary()
+        self._records[r] = {**record.summary(), "global_sha256": digest}
         for old in [k for k in self._records if k <= r - _KEEP_RECORDS]:
             del self._records[old]
         self._site_evals.prune(before=r - _KEEP_RECORDS + 1)
         self._committing = True
-        checkpoint = self._checkpoint_state(committed=r + 1, global_sha256=record.global_sha256) if self.cfg.checkpoint_dir is not None else None
-        return _Commit(record, update, checkpoint, closing.now)
+        checkpoint = self._checkpoint_state(committed=r + 1, global_sha256=digest) if self.cfg.checkpoint_dir is not None else None
+        return _Commit(record, update, checkpoint, closing.now, times, digest)
 
     def _publish(self, pending: _Commit | None) -> RoundRecord | None:
         """Without the lock: writes the commit's checkpoint (a restart never loses a round any
@@ -597,6 +632,23 @@ class Coordinator:
         if pending is None:
             return None
         record = pending.record
+        t0 = time.perf_counter()
+        # θ is hashed, and the update bundled for serving, on another thread while the
+        # checkpoint is written (whose hashing, writing and sync leave the GIL and a core free
+        # for it); the checkpoint waits for the hash only to write its skeleton, last.
+        served: list[Any] = []
+
+        def meanwhile() -> None:
+            th = time.perf_counter()
+            try:
+                pending.digest.set_result(params_sha256(self._outer.params))
+            except BaseException as e:  # noqa: BLE001 - handed on through the Future
+                pending.digest.set_exception(e)
+            pending.times["hash_s"] = time.perf_counter() - th
+            served.append(self._downlink.prepare(pending.update))
+
+        helper = threading.Thread(target=meanwhile, name="commit-helper", daemon=True)
+        helper.start()
         if pending.checkpoint is not None:
             # If this raises, θ has moved but the round cannot be published durably: the
             # coordinator stays "committing" (it never takes the round's pushes twice) and its
@@ -606,8 +658,17 @@ class Coordinator:
             except Exception as e:
                 self._fail(f"the checkpoint of round {record.round}", e)
                 raise CoordinatorError("unavailable", f"round {record.round} could not be made durable; the coordinator must restart") from None
+        helper.join()
+        try:
+            record.global_sha256 = pending.digest.result()
+        except Exception as e:
+            self._fail(f"hashing θ after round {record.round}", e)
+            raise CoordinatorError("unavailable", f"round {record.round} could not be published; the coordinator must restart") from None
+        t1 = time.perf_counter()
         with self._cv:
-            self._downlink.put_update(record.round, pending.update)
+            if record.round in self._records:
+                self._records[record.round]["global_sha256"] = record.global_sha256
+            self._downlink.put_update(record.round, served[0] if served else pending.update)
             self._hash = record.global_sha256
             self._open = record.round + 1
             self._committing = False
@@ -616,6 +677,7 @@ class Coordinator:
             self._parts.prune(lambda rnd: self._open - rnd <= stale)
             self._round = self._open_round(self._open, pending.closed_at)
             self._cv.notify_all()
+            self._timings.append({**pending.times, "checkpoint_s": t1 - t0, "publish_s": time.perf_counter() - t1, "published_at": time.monotonic()})
         for listener in self.on_commit:
             listener(record)
         return record
@@ -722,7 +784,7 @@ class Coordinator:
         """RoundRecord.summary() of the last few committed rounds (restored from a checkpoint
         too: a restarted coordinator rewrites the metrics lines its predecessor had not)."""
         with self._cv:
-            return {r: dict(rec) for r, rec in self._records.items()}
+            return {r: {k: v.result() if isinstance(v, Future) else v for k, v in rec.items()} for r, rec in self._records.items()}
 
     def round_settled(self, round: int) -> bool:
         """True once no more pulls of ``round``'s update are expected: the next round is

@@ -37,16 +37,28 @@ class WeightedMean:
 
     def __init__(self, shapes: Mapping[str, torch.Size], aggregate: str = "mean") -> None:
         check_aggregate(aggregate)
-        self._sum = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()}
-        self._weight = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()} if aggregate == "nonzero" else None
+        self._shapes = dict(shapes)
+        self._nonzero = aggregate == "nonzero"
+        # Allocated (zeroed) by the first add, not when the round opens: a commit opens the
+        # next round while the closing push's site waits for its answer.
+        self._sum: dict[str, torch.Tensor] = {}
+        self._weight: dict[str, torch.Tensor] | None = None
         self.total_weight = 0.0
         self.count = 0
+
+    def _allocate(self) -> None:
+        self._sum = {n: torch.zeros(s, dtype=torch.float64) for n, s in self._shapes.items()}
+        self._weight = {n: torch.zeros(s, dtype=torch.float64) for n, s in self._shapes.items()} if self._nonzero else None
 
     def add(self, delta: Mapping[str, torch.Tensor], weight: float) -> None:
         if not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
+        if len(self._sum) != len(self._shapes):
+            self._allocate()
         for name, buf in self._sum.items():
-            buf.add_(delta[name].double(), alpha=weight)
+            # Added in float64 without a float64 copy of Δ first: the same values (Δ is cast
+            # to float64 as it is read; tests/unit check it bit for bit).
+            buf.add_(delta[name], alpha=weight)
             if self._weight is not None:
                 self._weight[name].add_(delta[name] != 0, alpha=weight)
         self.total_weight += weight

@@ -55,21 +55,25 @@ class OuterStepRefused(ValueError):
     as they were before it."""
 
 
-def check_update(name: str, update: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Raises OuterStepRefused if ``update`` is non-finite, or absurd against ``params``."""
-    size = l2(update)
+def check_update(name: str, update: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None, size: float | None = None) -> float:
+    """Raises OuterStepRefused if ``update`` is non-finite, or absurd against ``params``;
+    returns its norm. ``size``: ``l2(update)`` when the caller has it already."""
+    size = l2(update) if size is None else size
     if not math.isfinite(size):
         raise OuterStepRefused(f"the {name} is not finite")
-    if params is None:
-        return
+    # The limit is at least ABSURD_UPDATE_RATIO: below that, |θ| need not be measured.
+    if params is None or size <= ABSURD_UPDATE_RATIO:
+        return size
     limit = ABSURD_UPDATE_RATIO * max(l2(params), 1.0)
     if size > limit:
         raise OuterStepRefused(f"the {name} has norm {size:.4g}, over {ABSURD_UPDATE_RATIO:g} x max(|θ|, 1) = {limit:.4g}")
+    return size
 
 
 def l2(tensors: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm over all tensors, in float64 (inf or nan when any value is)."""
-    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
+    # square_ on the float64 copy: the same values as ``** 2``, one allocation fewer.
+    return math.sqrt(sum(float(t.double().square_().sum()) for t in tensors.values()))
 
 
 class OuterOptimizer:
@@ -83,7 +87,7 @@ class OuterOptimizer:
 
     A step is all or nothing: if the proposed update is non-finite or absurd
     (``check_update``), or ``transmit`` raises, θ and the optimizer state stay as they were
-    and ``OuterStepRefused`` says why.
+    and ``OuterStepRefused`` says why. ``update_norm`` is the norm of the last ũ applied.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig) -> None:
@@ -91,6 +95,7 @@ class OuterOptimizer:
         self.params = {n: params[n].detach().clone().float() for n in self.names}
         self.cfg = cfg
         self._opt = cfg.build([self.params[n] for n in self.names])
+        self.update_norm = 0.0
 
     def step(
         self,
@@ -99,13 +104,14 @@ class OuterOptimizer:
     ) -> dict[str, torch.Tensor]:
         """One outer step over the parameters ``mean_delta`` names (all of them, or one
         fragment's: the others, and their optimizer state, do not move); returns the update ũ
-        that was applied (what the sites apply)."""
+        that was applied (what the sites apply). ``transmit`` may return the proposed update
+        itself (a lossless downlink): it is then not checked a second time."""
         names = [n for n in self.names if n in mean_delta]
         unknown = sorted(set(mean_delta) - set(self.names))
         if unknown or not names:
             raise OuterStepRefused(f"the outer step needs a Δ of this model's parameters; got {len(names)} known and unknown {unknown[:3]}")
         before = {n: self.params[n].clone() for n in names}
-        saved = copy.deepcopy(self._opt.state_dict())
+        saved = self._save_state()
         try:
             for n in names:
                 self.params[n].grad = mean_delta[n].detach().clone()
@@ -115,21 +121,38 @@ class OuterOptimizer:
                 p = self.params[n]
                 proposed[n] = p - before[n]
                 p.grad = None
-                p.copy_(before[n])
-            check_update("proposed update", proposed, before)
+            # The parameters hold θ' until the end: θ_{r+1} is written from θ_r and ũ below.
+            size = check_update("proposed update", proposed, before)
             sent = transmit(proposed) if transmit is not None else proposed
-            check_update("update as sent", sent, before)
+            if sent is not proposed:
+                size = check_update("update as sent", sent, before)
         except Exception as e:
             for n in names:
                 self.params[n].grad = None
                 self.params[n].copy_(before[n])
-            self._opt.load_state_dict(saved)
+            self._load_state(saved)
             if isinstance(e, OuterStepRefused):
                 raise
             raise OuterStepRefused(f"the outer step failed: {type(e).__name__}: {e}") from e
         for n in names:
-            self.params[n].add_(sent[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
+            torch.add(before[n], sent[n], out=self.params[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
+        self.update_norm = size
         return sent
+
+    def _save_state(self) -> tuple[dict[torch.Tensor, dict[str, Any]], list[dict[str, Any]]]:
+        """A copy of the optimizer's state (every parameter's, each tensor cloned) and of its
+        groups' settings: what ``_load_state`` puts back if a step fails. (What a deepcopy of
+        ``state_dict()`` held, without deepcopy's walk over every object.)"""
+        state = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()} for p, s in self._opt.state.items()}
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self._opt.param_groups]
+        return state, groups
+
+    def _load_state(self, saved: tuple[dict[torch.Tensor, dict[str, Any]], list[dict[str, Any]]]) -> None:
+        state, groups = saved
+        self._opt.state.clear()
+        self._opt.state.update(state)
+        for group, settings in zip(self._opt.param_groups, groups):
+            group.update(settings)
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": {n: p.clone() for n, p in self.params.items()}, "optimizer": self._opt.state_dict()}

@@ -3,7 +3,7 @@ translate, call, map refusals to status codes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
 
@@ -17,6 +17,7 @@ from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.protocol import CoordinatorService
 from diloco.transport.security import ServerAuth, bind, server_side
+from diloco.types import Chunk
 
 _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -79,14 +80,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             _abort(context, e)
         with self._watch.track(context.cancel) as tracked:
             first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "header":
+            if first is None or isinstance(first, Chunk) or first.WhichOneof("kind") != "header":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a {what} must start with a PushHeader message")
             tracked.touch()
             header = serde.header_from_proto(first.header)
 
             def chunks():
-                for msg in request_iterator:
+                for msg in request_iterator:  # serde.push_message_from_wire: a Chunk, or a PushMessage
                     tracked.touch()
+                    if isinstance(msg, Chunk):
+                        yield msg
+                        continue
                     if msg.WhichOneof("kind") != "chunk":
                         raise CoordinatorError("invalid_argument", f"a {what} carries exactly one header, first")
                     yield serde.chunk_from_proto(msg.chunk)
@@ -112,7 +116,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want))
             except CoordinatorError as e:
                 _abort(context, e)
-            yield from self._send(context, (serde.chunk_to_proto(c) for c in chunks))
+            yield from self._send(context, chunks)  # Chunk objects: _pull_serializer writes their bytes
 
     def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalMessage]:
         with self._as(context, request.site_id):
@@ -121,7 +125,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except CoordinatorError as e:
                 _abort(context, e)
             yield pb.GlobalMessage(status=serde.status_to_proto(status))
-            yield from self._send(context, (pb.GlobalMessage(chunk=serde.chunk_to_proto(c)) for c in chunks))
+            yield from self._send(context, chunks)
 
     def _send(self, context: grpc.ServicerContext, messages: Iterator):
         """Yields ``messages``; a caller that stops reading for ``stream_idle_s`` is cancelled."""
@@ -145,6 +149,45 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except CoordinatorError as e:
                 _abort(context, e)
         return pb.LeaveReply()
+
+
+def _serializer(to_wire: Callable[[Chunk], bytes]) -> Callable[[object], bytes]:
+    """The response serializer of a pull: a domain Chunk straight to its wire bytes
+    (serde.chunk_to_wire: no protobuf message per chunk), a protobuf message as usual."""
+
+    def serialize(message: object) -> bytes:
+        return to_wire(message) if isinstance(message, Chunk) else message.SerializeToString()  # type: ignore[attr-defined]
+
+    return serialize
+
+
+class _Handlers:
+    """Stands in for the server while the generated code registers the service, to keep its
+    method handlers (the generated code stays the one list of the service's methods)."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, _handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _register(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+    """The generated registration, with the pulls' responses written by ``_serializer`` and
+    the pushes' chunks read by ``serde.push_message_from_wire``."""
+    kept = _Handlers()
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, kept)
+    handlers = kept.handlers
+    for name in ("PushDelta", "UploadInit"):
+        handlers[name] = handlers[name]._replace(request_deserializer=serde.push_message_from_wire)
+    handlers["PullUpdate"] = handlers["PullUpdate"]._replace(response_serializer=_serializer(serde.chunk_to_wire))
+    handlers["PullGlobal"] = handlers["PullGlobal"]._replace(response_serializer=_serializer(serde.global_chunk_to_wire))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(kept.service, handlers),))
+    server.add_registered_method_handlers(kept.service, handlers)
 
 
 class Server:
@@ -183,7 +226,7 @@ def serve(
         ],
     )
     watch = StreamWatch(limits.stream_idle_s, limits.stream_max_s)
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator, auth, limits, watch), server)
+    _register(CoordinatorServicer(coordinator, auth, limits, watch), server)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -11,6 +12,7 @@ from diloco.boxes import Box, tiling_problem
 from diloco.codec.base import Codec, CodecError, get_codec
 from diloco.security.ids import quote
 from diloco.types import Chunk, TensorSpec
+from diloco.wire.bundles import is_bundle, unbundle
 
 MAX_CHUNK_BYTES = 1 << 20  # the transport never sends a payload larger than 1 MiB
 
@@ -25,16 +27,21 @@ def encode_chunks(
     codec: Codec,
     chunk_bytes: int = MAX_CHUNK_BYTES,
     boxes: Mapping[str, tuple[Box, tuple[int, ...]]] | None = None,
+    views: bool = False,
 ) -> Iterator[Chunk]:
     """Yields chunks of every tensor in name order, each payload at most ``chunk_bytes``.
 
     ``boxes`` (optional) says that ``tensors[name]`` is only a slice of a bigger tensor:
     name -> (its box, the whole tensor's shape); its chunks then carry the box, and their
-    offsets count elements of the slice.
+    offsets count elements of the slice. ``views``: a codec that can (fp32's
+    ``encode_view``) gives payloads that are views of the tensors' memory, not bytes: no copy,
+    for a caller that copies them once anyway (into bundles) and writes to none of the
+    tensors meanwhile.
     """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes={chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
     step = codec.max_chunk_numel(chunk_bytes)
+    encode = getattr(codec, "encode_view", codec.encode) if views else codec.encode
     for name in sorted(tensors):
         t = tensors[name]
         shape, box_start, box_shape = tuple(t.shape), (), ()
@@ -54,7 +61,7 @@ def encode_chunks(
                 offset=offset,
                 numel=piece.numel(),
                 codec=codec.name,
-                payload=codec.encode(piece),
+                payload=encode(piece),
                 box_start=box_start,
                 box_shape=box_shape,
             )
@@ -69,6 +76,25 @@ def encoded_bytes(numels: Iterable[int], *, codec: Codec, chunk_bytes: int = MAX
         for offset in range(0, max(n, 1), step):
             total += codec.encoded_size(min(step, n - offset))
     return total
+
+
+def unbundled(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+    """``chunks`` with every bundle (diloco.wire.bundles) replaced by the chunks it holds, each
+    then checked like any other by whoever takes it; a bundle over the 1 MiB a chunk may carry
+    is refused before it is read."""
+    for c in chunks:
+        if is_bundle(c):
+            if len(c.payload) > MAX_CHUNK_BYTES:
+                raise CodecError(f"a bundle of {len(c.payload)} bytes, over the limit of {MAX_CHUNK_BYTES} per chunk")
+            yield from unbundle(c)
+        else:
+            yield c
+
+
+def inner_payload_bytes(chunks: Iterable[Chunk]) -> int:
+    """The payload bytes of ``chunks``, those inside bundles counted as their own (bundle framing
+    excluded, as protobuf's is)."""
+    return sum(len(c.payload) for c in unbundled(chunks))
 
 
 def _check_header(specs: Mapping[str, TensorSpec], chunk: Chunk) -> TensorSpec:
@@ -94,15 +120,45 @@ def _check_range(chunk: Chunk, expected: int, numel: int, what: str) -> None:
         raise CodecError(f"chunk of {chunk.name!r}{what} covers elements [{chunk.offset}, {chunk.offset + chunk.numel}) of a tensor with {numel}")
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Every value is finite. One pass and no allocation: the float64 sum of float32 values
+    (or narrower) is finite exactly when every value is, since finite ones cannot overflow
+    it (|sum| <= 2**32 x 3.4e38, far below float64's 1.8e308) and an inf or a nan makes it
+    inf or nan. About 6x faster than ``torch.isfinite(values).all()``."""
+    if values.dtype == torch.float64:
+        return bool(torch.isfinite(values).all())
+    return values.numel() == 0 or math.isfinite(float(values.sum(dtype=torch.float64)))
+
+
+def _check_finite(chunk: Chunk, values: torch.Tensor) -> None:
+    if not all_finite(values):
+        bad = int((~torch.isfinite(values)).sum())
+        raise CodecError(f"non-finite values in {chunk.name!r}: {bad} of {chunk.numel} in this chunk")
+
+
 def _decode(chunk: Chunk) -> torch.Tensor:
     try:
         values = get_codec(chunk.codec).decode(chunk.payload, chunk.numel)
     except CodecError as e:
         raise CodecError(f"chunk of {chunk.name!r} at elements [{chunk.offset}, {chunk.offset + chunk.numel}): {e}") from None
-    if not torch.isfinite(values).all():
-        bad = int((~torch.isfinite(values)).sum())
-        raise CodecError(f"non-finite values in {chunk.name!r}: {bad} of {chunk.numel} in this chunk")
+    _check_finite(chunk, values)
     return values
+
+
+def _decode_into(chunk: Chunk, out: torch.Tensor) -> None:
+    """Decodes ``chunk`` straight into ``out`` (a contiguous float32 slice of its numel) when its
+    codec can (``decode_into``: one copy, no temporary), else through ``_decode``. On a
+    CodecError ``out`` holds garbage: the caller's buffer is not used then."""
+    try:
+        codec = get_codec(chunk.codec)
+        into = getattr(codec, "decode_into", None)
+        if into is not None:
+            into(chunk.payload, chunk.numel, out)
+        else:
+            out.copy_(codec.decode(chunk.payload, chunk.numel))
+    except CodecError as e:
+        raise CodecError(f"chunk of {chunk.name!r} at elements [{chunk.offset}, {chunk.offset + chunk.numel}): {e}") from None
+    _check_finite(chunk, out)
 
 
 class _Arrivals:
@@ -171,14 +227,22 @@ class ChunkAssembler:
 
     def add(self, chunk: Chunk, values: torch.Tensor | None = None) -> None:
         """Checks ``chunk`` and puts its values in place; ``values``: the chunk already decoded
-        (by ``check_part``), so it is not decoded again."""
+        (by ``check_part``), so it is not decoded again. A bundle is taken chunk by chunk."""
+        if is_bundle(chunk) and values is None:
+            for c in unbundled([chunk]):
+                self.add(c)
+            return
         spec, box = self._arrivals.check(chunk)
-        if values is None:
-            values = _decode(chunk)
-            self.payload_bytes += len(chunk.payload)
         buf = self._out.get(chunk.name)
         if buf is None:
             buf = self._out[chunk.name] = torch.empty(spec.shape, dtype=torch.float32)
+        if values is None and box.is_whole(spec.shape):
+            _decode_into(chunk, buf.view(-1)[chunk.offset : chunk.offset + chunk.numel])
+            self.payload_bytes += len(chunk.payload)
+            return
+        if values is None:
+            values = _decode(chunk)
+            self.payload_bytes += len(chunk.payload)
         if box.is_whole(spec.shape):
             buf.view(-1)[chunk.offset : chunk.offset + chunk.numel] = values
         else:
@@ -214,7 +278,7 @@ def check_part(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk]) -> tupl
     arrivals = _Arrivals(specs, "of the same push")
     kept: list[tuple[Chunk, torch.Tensor]] = []
     payload = 0
-    for chunk in chunks:
+    for chunk in unbundled(chunks):
         arrivals.check(chunk)
         kept.append((dataclasses.replace(chunk, payload=b""), _decode(chunk)))
         payload += len(chunk.payload)
@@ -228,7 +292,7 @@ def chunks_overlapping(chunks: Iterable[Chunk], want: Mapping[str, Box]) -> list
     """The chunks (of whole tensors) that hold some element of the rows of a wanted slice,
     cut down to those rows when their codec can cut a payload without re-encoding it."""
     out = []
-    for c in chunks:
+    for c in unbundled(chunks):
         box = want.get(c.name)
         if box is None:
             continue
@@ -266,6 +330,10 @@ class SliceAssembler:
         self.payload_bytes = 0
 
     def add(self, chunk: Chunk) -> None:
+        if is_bundle(chunk):
+            for c in unbundled([chunk]):
+                self.add(c)
+            return
         spec = _check_header(self._specs, chunk)
         box = self._wanted.get(chunk.name)
         if box is None:
