@@ -113,7 +113,8 @@ class RoundLoop:
     def _phase(self) -> list[float]:
         """Up to H/F inner steps (fewer under budget_s); with overlap, the round in flight is
         merged after τ of them."""
-        round, land_after = self.sync.round, self.schedule.land_after
+        # The round this phase's steps go to (with a round in flight, the one after it).
+        round, land_after = self._next_push(), self.schedule.land_after
         steps = self.schedule.steps_of(round)
         losses: list[float] = []
         phase_start = time.monotonic()

@@ -151,7 +151,9 @@ def test_ddp_and_single_same_format(ddp_run: Run, single_run: Run, diloco_run: R
     single_summary, single_metrics = _check_common(single_run, "single", 1)
 
     # Same summary.json format in every mode.
-    assert ddp_summary.keys() == single_summary.keys() == diloco_run.summary.keys()
+    # DiLoCo's summary also says how much of each site's time went into inner steps (optional fields)
+    overlap = {"compute_utilization", "utilization_until_last_step", "stall_s"}
+    assert ddp_summary.keys() == single_summary.keys() == diloco_run.summary.keys() - overlap
     # ddp and single write the same metrics.jsonl format.
     for m in ddp_metrics + single_metrics:
         assert m.keys() == ddp_metrics[0].keys()
