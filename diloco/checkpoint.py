@@ -13,8 +13,7 @@ state with each of those tensors replaced by a reference ``{"__diloco_raw__": [o
 dtype, shape]}``), then the skeleton's length (8 bytes, little-endian). Its checksum is the
 SHA-256 of the SHA-256s of its 1 MiB segments, so two threads hash it at once while the
 tensors are written straight from memory (no torch.save copy and zip checksums of every
-tensor); the skeleton comes last, so a value the caller is still computing (a Future) can be
-waited for while the tensors go out. Loading is as safe as before: the skeleton goes through
+tensor), the skeleton pickled meanwhile. Loading is as safe as before: the skeleton goes through
 ``torch.load(weights_only=True)``, every reference is checked against the payload before a
 tensor is built, and each loaded tensor owns its memory. (Tensors that shared memory when
 saved come back as separate copies.) Format 1 files (SHA-256 of the payload, a plain
@@ -24,7 +23,6 @@ saved come back as separate copies.) Format 1 files (SHA-256 of the payload, a p
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import io
@@ -76,11 +74,7 @@ def checkpoint_path(directory: Path, round: int) -> Path:
 
 
 def save_checkpoint(directory: Path, round: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Writes ``state`` as the checkpoint of ``round`` atomically; prunes all but the newest ``keep``.
-
-    A value of ``state`` may be a ``concurrent.futures.Future``: the file is written around it,
-    its tensors first, and its result is waited for only when the skeleton is (so the caller
-    can compute it meanwhile); an exception it holds is raised, and nothing is saved."""
+    """Writes ``state`` as the checkpoint of ``round`` atomically; prunes all but the newest ``keep``."""
     if keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1")
     directory = Path(directory)
@@ -94,9 +88,9 @@ def save_checkpoint(directory: Path, round: int, state: dict[str, Any], keep: in
         try:
             # The tensors' bytes go to the file on another thread, which then helps hash them:
             # the digest is over 1 MiB segments (_Segments), hashed by both threads at once
-            # (hashing and writing release the GIL). Meanwhile this one waits for the state's
-            # futures and adds the skeleton; the header, which holds the digest, goes in front
-            # last, and one sync makes the whole file durable.
+            # (hashing and writing release the GIL). Meanwhile this one adds the skeleton; the
+            # header, which holds the digest, goes in front last, and one sync makes the whole
+            # file durable.
             segments = _Segments()
             segments.add(tensors)
             at = _HEADER.size + sum(len(p) for p in tensors)
@@ -104,7 +98,7 @@ def save_checkpoint(directory: Path, round: int, state: dict[str, Any], keep: in
             try:
                 segments.hash_ready()
                 buf = io.BytesIO()
-                torch.save(_resolved(skeleton), buf)
+                torch.save(skeleton, buf)
                 tail = [buf.getbuffer(), memoryview(_LENGTH.pack(buf.tell()))]
                 segments.add(tail, last=True)
                 _write_pieces(fd, tail, at)
@@ -137,7 +131,10 @@ def _scratch_file(directory: Path, final: Path) -> tuple[int, str]:
     try:
         os.replace(directory / _SPARE, tmp)
         return os.open(tmp, os.O_WRONLY), str(tmp)
-    except FileNotFoundError:
+    except OSError:  # no spare (or one that cannot be written over): a new file
+        with contextlib.suppress(OSError):
+            if Path(tmp).is_file():
+                Path(tmp).unlink()
         return tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
 
 
@@ -207,24 +204,13 @@ def _tensor_section(raw: list[tuple[int, memoryview]]) -> list[memoryview]:
     return pieces
 
 
-def _resolved(obj: Any) -> Any:
-    """``obj`` with every Future replaced by its result (waited for)."""
-    if isinstance(obj, concurrent.futures.Future):
-        return _resolved(obj.result())
-    if type(obj) in (dict, collections.OrderedDict):
-        return type(obj)((k, _resolved(v)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_resolved(v) for v in obj)
-    return obj
-
-
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
 def _skeleton(obj: Any, raw: list[tuple[int, memoryview]]) -> Any:
-    """``obj`` with its large plain CPU tensors replaced by references to their bytes, which
-    are appended to ``raw`` as (offset in the tensor section, bytes)."""
+    """``obj`` with its plain CPU tensors replaced by references to their bytes, which are
+    appended to ``raw`` as (offset in the tensor section, bytes)."""
     if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided and not obj.requires_grad:
         name = str(obj.dtype).removeprefix("torch.")
         if name in _RAW_DTYPES and obj.numel():

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 
 OURS_PARTS = ("delta_s", "encode_s", "push_s", "wait_s", "pull_s", "apply_s")
-COORD_PARTS = ("first_chunk_s", "receive_s", "lock_s", "commit_s", "mean_s", "step_s", "encode_s", "record_s", "checkpoint_s", "hash_s", "publish_s")
+COORD_PARTS = ("first_chunk_s", "receive_s", "lock_s", "commit_s", "mean_s", "step_s", "encode_s", "record_s", "checkpoint_s", "publish_s")
 GAPS = ("call_in_s", "answer_back_s")
 TFT_PARTS = ("quorum_s", "delta_s", "allreduce_s", "restore_s", "should_commit_s", "outer_step_s", "save_s", "merge_s")
 

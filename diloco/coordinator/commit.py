@@ -109,7 +109,6 @@ def commit(
     encoder: UpdateEncoder,
     closing: Closing,
     times: dict[str, float] | None = None,
-    hash_params: bool = True,
 ) -> tuple[RoundRecord, list[Chunk]]:
     """Applies the round: the guard judges the participants' mean Δ; if accepted, the outer
     optimizer steps (its update encoded once for the sites), else θ stays and the sites get a
@@ -117,9 +116,7 @@ def commit(
     encoded update; a mean Δ or an outer step that is not finite, or absurd, rejects the
     round (θ, the optimizer state and the downlink residual stay as they were). ``times``
     (optional) gets the seconds of its parts: mean_s, step_s (the outer step, the downlink's
-    encoding included: encode_s), record_s (the round's record, θ's hash included).
-    ``hash_params=False``: the record's ``global_sha256`` is left empty, for the caller to set
-    (the coordinator hashes θ while the commit's checkpoint is written)."""
+    encoding included: encode_s), record_s (the round's record, θ's hash included)."""
     times = times if times is not None else {}
     t0 = time.perf_counter()
     r = state.number
@@ -178,7 +175,7 @@ def commit(
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         fragment=state.fragment,
-        global_sha256=params_sha256(outer.params) if hash_params else "",
+        global_sha256=params_sha256(outer.params),
         wall_s=closing.now - state.opened_at,
         elapsed_s=closing.now - closing.started,
         params={n: p.clone() for n, p in outer.params.items()} if closing.snapshot else None,

@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +64,6 @@ class _Commit:
     checkpoint: dict[str, Any] | None
     closed_at: float  # the coordinator's clock at the commit: the next round opens then
     times: dict[str, Any]  # seconds of the commit's parts (Coordinator.commit_timings)
-    digest: Future[str]  # θ's hash after the commit: computed by _publish while the checkpoint is written
 
 
 class Coordinator:
@@ -515,8 +513,7 @@ class Coordinator:
         push's receive and decode, of which ``first_chunk_s`` until its first chunk, from
         ``began_at``), ``lock_s``, ``commit_s`` (the commit under the lock: its
         ``mean_s``, ``step_s`` with ``encode_s``, ``record_s``), ``checkpoint_s`` (made
-        durable, without the lock; meanwhile θ is hashed on another thread: ``hash_s``),
-        ``publish_s`` and ``published_at`` (``began_at`` and
+        durable, without the lock), ``publish_s`` and ``published_at`` (``began_at`` and
         ``published_at`` read time.monotonic, the others time.perf_counter)."""
         with self._cv:
             return [dict(t) for t in self._timings]
@@ -612,19 +609,16 @@ class Coordinator:
         )
         times = {"round": r, "closer": None, **(times or {})}
         t0 = time.perf_counter()
-        record, update = commit(state, self._outer, self._guard, self._encoder, closing, times, hash_params=False)
+        record, update = commit(state, self._outer, self._guard, self._encoder, closing, times)
         times["commit_s"] = time.perf_counter() - t0
-        # θ's hash is the checkpoint's and the record's: a Future until _publish has it (it is
-        # computed while the checkpoint's tensors are written; nothing moves θ before then).
-        digest: Future[str] = Future()
         self._participants[r] = record.participants
-        self._records[r] = {**record.summary(), "global_sha256": digest}
+        self._records[r] = record.summary()
         for old in [k for k in self._records if k <= r - _KEEP_RECORDS]:
             del self._records[old]
         self._site_evals.prune(before=r - _KEEP_RECORDS + 1)
         self._committing = True
-        checkpoint = self._checkpoint_state(committed=r + 1, global_sha256=digest) if self.cfg.checkpoint_dir is not None else None
-        return _Commit(record, update, checkpoint, closing.now, times, digest)
+        checkpoint = self._checkpoint_state(committed=r + 1, global_sha256=record.global_sha256) if self.cfg.checkpoint_dir is not None else None
+        return _Commit(record, update, checkpoint, closing.now, times)
 
     def _publish(self, pending: _Commit | None) -> RoundRecord | None:
         """Without the lock: writes the commit's checkpoint (a restart never loses a round any
@@ -633,21 +627,10 @@ class Coordinator:
             return None
         record = pending.record
         t0 = time.perf_counter()
-        # θ is hashed, and the update bundled for serving, on another thread while the
-        # checkpoint is written (whose hashing, writing and sync leave the GIL and a core free
-        # for it); the checkpoint waits for the hash only to write its skeleton, last.
+        # The update is bundled for serving on another thread while the checkpoint is written
+        # (its sync leaves the GIL and a core free).
         served: list[Any] = []
-
-        def meanwhile() -> None:
-            th = time.perf_counter()
-            try:
-                pending.digest.set_result(params_sha256(self._outer.params))
-            except BaseException as e:  # noqa: BLE001 - handed on through the Future
-                pending.digest.set_exception(e)
-            pending.times["hash_s"] = time.perf_counter() - th
-            served.append(self._downlink.prepare(pending.update))
-
-        helper = threading.Thread(target=meanwhile, name="commit-helper", daemon=True)
+        helper = threading.Thread(target=lambda: served.append(self._downlink.prepare(pending.update)), name="bundle-update", daemon=True)
         helper.start()
         if pending.checkpoint is not None:
             # If this raises, θ has moved but the round cannot be published durably: the
@@ -659,15 +642,8 @@ class Coordinator:
                 self._fail(f"the checkpoint of round {record.round}", e)
                 raise CoordinatorError("unavailable", f"round {record.round} could not be made durable; the coordinator must restart") from None
         helper.join()
-        try:
-            record.global_sha256 = pending.digest.result()
-        except Exception as e:
-            self._fail(f"hashing θ after round {record.round}", e)
-            raise CoordinatorError("unavailable", f"round {record.round} could not be published; the coordinator must restart") from None
         t1 = time.perf_counter()
         with self._cv:
-            if record.round in self._records:
-                self._records[record.round]["global_sha256"] = record.global_sha256
             self._downlink.put_update(record.round, served[0] if served else pending.update)
             self._hash = record.global_sha256
             self._open = record.round + 1
@@ -784,7 +760,7 @@ class Coordinator:
         """RoundRecord.summary() of the last few committed rounds (restored from a checkpoint
         too: a restarted coordinator rewrites the metrics lines its predecessor had not)."""
         with self._cv:
-            return {r: {k: v.result() if isinstance(v, Future) else v for k, v in rec.items()} for r, rec in self._records.items()}
+            return {r: dict(rec) for r, rec in self._records.items()}
 
     def round_settled(self, round: int) -> bool:
         """True once no more pulls of ``round``'s update are expected: the next round is

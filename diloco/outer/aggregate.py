@@ -68,6 +68,8 @@ class WeightedMean:
         if self.count == 0:
             raise ValueError("no contributions to average")
         if self._weight is None:
-            return {n: (s / self.total_weight).float() for n, s in self._sum.items()}
+            # Divided in float64 and rounded to float32 as it is stored: (s / w).float()'s
+            # values without its float64 temporary (tests/unit check it bit for bit).
+            return {n: torch.div(s, self.total_weight, out=torch.empty(s.shape, dtype=torch.float32)) for n, s in self._sum.items()}
         # Where no site sent a value, the sum is 0 too: 0 / 1 keeps it 0.
         return {n: (s / torch.where(self._weight[n] > 0, self._weight[n], 1.0)).float() for n, s in self._sum.items()}

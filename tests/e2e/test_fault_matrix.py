@@ -47,7 +47,9 @@ def kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
     )
     # Delayed Nesterov's state (mid period at both coordinator kills) goes through the checkpoint.
     dn = ["outer.name=DelayedNesterov", "outer.period=3"]
-    return run_ok(tmp_path_factory.mktemp("kills") / "run", *BASE, "rounds=8", *dn, events, timeout=280)
+    # quorum.min_sites=3: round 0 waits for all three (with the default majority it could close
+    # before a site slow to start had joined, as it did once on a loaded CI machine).
+    return run_ok(tmp_path_factory.mktemp("kills") / "run", *BASE, "rounds=8", "quorum.min_sites=3", *dn, events, timeout=280)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def test_kills_are_injected_where_asked(kills: Run) -> None:
 def test_kills_lose_no_round_and_apply_none_twice(kills: Run) -> None:
     metrics = _invariants(kills, 8)
     # Every killed site came back before its round could close without it (the lease is 60
-    # s; the round waits for every active site), so every round has all three; a site killed
+    # s; the round waits for all three), so every round has all three; a site killed
     # mid push or mid inner phase pushed that round again, and its partial push never counted.
     assert all(m["participants"] == ALL for m in metrics), [m["participants"] for m in metrics]
     assert kills.summary["goodput"] < 1  # the killed phases' work is lost

@@ -297,22 +297,6 @@ def test_a_tampered_tensor_reference_is_refused_even_with_a_good_checksum(tmp_pa
         ck.save_checkpoint(tmp_path, 2, {"x": {ck._RAW_KEY: 1}})
 
 
-def test_a_future_in_the_state_is_waited_for_while_the_tensors_are_written(tmp_path: Path) -> None:
-    import concurrent.futures
-    import threading
-
-    later: concurrent.futures.Future[str] = concurrent.futures.Future()
-    threading.Timer(0.05, lambda: later.set_result("abc")).start()
-    state = {"w": torch.arange(300000.0), "hash": later, "records": {"3": {"h": later}}}
-    loaded = ck.read_checkpoint(ck.save_checkpoint(tmp_path, 1, state))
-    assert loaded["hash"] == "abc" and loaded["records"] == {"3": {"h": "abc"}} and torch.equal(loaded["w"], state["w"])
-    broken: concurrent.futures.Future[str] = concurrent.futures.Future()
-    broken.set_exception(RuntimeError("no hash"))
-    with pytest.raises(RuntimeError, match="no hash"):
-        ck.save_checkpoint(tmp_path, 2, {"w": torch.zeros(5000), "hash": broken})
-    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["ckpt-00000001.pt"]
-
-
 def test_pruning_keeps_one_spare_to_write_over_and_deletes_the_rest(tmp_path: Path) -> None:
     (tmp_path / ".ckpt-00000000.pt.old").write_bytes(b"left by a crash")
     sizes = [100000, 10, 50000, 70000, 5, 200000]  # the spare written over is longer, or shorter
