@@ -172,7 +172,7 @@ def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
     from helpers import kill_group, sim_command
 
     run_dir = tmp_path / "run"
-    args = [*BASE, "rounds=6", f"hydra.run.dir={run_dir}"]
+    args = [*BASE, "rounds=6", "quorum.min_sites=3", f"hydra.run.dir={run_dir}"]  # every round has all three
     popen = subprocess.Popen([*sim_command(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 200
@@ -222,7 +222,7 @@ def test_a_late_push_is_merged_into_the_open_round(straggler_merge: Run) -> None
 def test_dynamic_local_steps_cut_a_slow_sites_inner_phase(tmp_path: Path) -> None:
     # H = 8; each site stops its inner phase after 1.5 s. The slow site (a step takes 20x as
     # long) runs fewer steps and is weighted by its tokens; no round waits long for it.
-    overrides = ["sync_every=8", "rounds=3", "inner_budget_s=1.5", _events("{kind:slow_site,site:2,factor:20}")]
+    overrides = ["sync_every=8", "rounds=3", "quorum.min_sites=3", "inner_budget_s=1.5", _events("{kind:slow_site,site:2,factor:20}")]
     run = run_ok(tmp_path / "run", *[a for a in BASE if not a.startswith("sync_every")], *overrides, timeout=240)
     metrics = _invariants(run, 3)
     workers = run.workers()
