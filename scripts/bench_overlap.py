@@ -31,6 +31,9 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=0": {"fragments": 5},  # H=50: F must divide H (4 does not)
     "streaming F=5 τ=5": {"fragments": 5, "overlap_steps": 5},
     "streaming F=5 τ=5 delta": {"fragments": 5, "overlap_steps": 5, "merge": "delta"},
+    "streaming F=5 τ=1 delta": {"fragments": 5, "overlap_steps": 1, "merge": "delta"},
+    "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
+    "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},
     "eager": {"outer_mode": "eager"},
     "delayed": {"outer_mode": "delayed"},
 }
@@ -63,18 +66,48 @@ def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path
     }
 
 
-def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float) -> dict[str, Any]:
+def straggle_of(blocking: dict[str, Any], sync_every: int) -> float:
+    """The sites' straggle (diloco-plan's ``straggle``) as a blocking run measured it: the
+    sites' mean wait for the round to close (median per site) over an inner phase."""
+    waits = [t["wait_s"] for t in blocking["sync_s_median"]]
+    return statistics.mean(waits) / (sync_every * blocking["step_s"])
+
+
+def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float, straggle: float = 0.0) -> dict[str, Any]:
     """diloco-plan's prediction for the run, from its own measured step time and payload bits."""
     bits = 8 * r["bytes_up_per_push"] * extra.get("fragments", 1) / r["params"]
     plan = Plan(
         params=r["params"], step_s=r["step_s"], sync_every=base["sync_every"], bits=bits, fragments=extra.get("fragments", 1),
         overlap_steps=extra.get("overlap_steps", 0), outer_mode=extra.get("outer_mode", "blocking"), sites=base["sites"],
-        bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s,
+        bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle,
     )  # fmt: skip
     p = predict(plan)
     run = run_utilization(plan, base["rounds"])
     until = run_utilization(plan, base["rounds"], tail=False)
     return {"utilization": round(p.utilization, 4), "run_utilization": round(run, 4), "utilization_until_last_step": round(until, 4), "round_s": round(p.round_s, 3), "sync_s": round(p.sync_s, 3), "bits": round(bits, 3)}
+
+
+def replan(files: list[Path], straggle_from: Path | None) -> int:
+    """Each measured row beside diloco-plan's prediction without and with the sites' straggle."""
+    source = json.loads(straggle_from.read_text()) if straggle_from else None
+    for path in files:
+        results = json.loads(path.read_text())
+        a = results["args"]
+        base = {"sites": a["sites"], "sync_every": a["sync_every"], "rounds": a["rounds"]}
+        overhead = results.get("overhead_s") or results.get("loopback_blocking", {}).get("overhead_s")
+        blocking = (source or results)["runs"]["blocking"]
+        straggle = straggle_of(blocking, a["sync_every"])
+        print(f"{path}: {a['bandwidth_mbit']:g} Mbit/s, {a['rtt_ms']:g} ms; overhead {overhead} s; straggle {straggle:.4f} (from {straggle_from or path}'s blocking run)")
+        for name, r in results["runs"].items():
+            plain = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead)
+            with_straggle = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead, straggle)
+            u, t = r["compute_utilization"]["run"], r["utilization_until_last_step"]["run"]
+            print(
+                f"  {name:<24} measured {u:.3f} / {t:.3f}   planned {plain['run_utilization']:.3f} / {plain['utilization_until_last_step']:.3f}"
+                f"   with straggle {with_straggle['run_utilization']:.3f} / {with_straggle['utilization_until_last_step']:.3f}"
+                f"   gaps {100 * (with_straggle['run_utilization'] - u):+.1f} / {100 * (with_straggle['utilization_until_last_step'] - t):+.1f} pts"
+            )
+    return 0
 
 
 def main() -> int:
@@ -89,12 +122,28 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--overhead-s", type=float, help="the sync's fixed cost for the planner; default: measured by a loopback blocking run first")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another run key for every mode, dotted (outer.lr=0.5); numbers parsed as JSON")
+    ap.add_argument("--loopback", action="store_true", help="no emulated link (the bpb figures do not depend on the link: every mode is deterministic)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--replan", type=Path, nargs="+", metavar="JSON", help="run nothing: print the measured rows of these result files next to diloco-plan's predictions, with the sites' straggle from --straggle-from")
+    ap.add_argument("--straggle-from", type=Path, metavar="JSON", help="with --replan: the result file whose blocking run gives the straggle (default: each file's own)")
     args = ap.parse_args()
+    if args.replan:
+        return replan(args.replan, args.straggle_from)
     base = {"sites": args.sites, "sync_every": args.sync_every, "rounds": args.rounds, "codec": args.codec, "model": {"name": args.model},
             "data": {"batch_size": args.batch_size}, "eval_every": 1000}  # fmt: skip
+    for item in args.set:
+        key, _, value = item.partition("=")
+        *path, leaf = key.split(".")
+        node = base
+        for part in path:
+            node = node.setdefault(part, {})
+        try:
+            node[leaf] = json.loads(value)
+        except json.JSONDecodeError:
+            node[leaf] = value
     link = {"bandwidth_mbit": args.bandwidth_mbit, "rtt_ms": args.rtt_ms}
-    wan = wan_plan(link, None, args.sites)
+    wan = None if args.loopback else wan_plan(link, None, args.sites)
     results: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         # The sync's fixed cost (encode, commit, decode) on loopback, for the planner.

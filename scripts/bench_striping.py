@@ -33,7 +33,7 @@ def one(k: int, args: argparse.Namespace) -> dict:
     theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     coordinator = Coordinator(theta0, OuterConfig(), CoordinatorConfig(total_rounds=args.rounds + 1, codec_down=args.codec))
     server, port = serve(coordinator, "127.0.0.1", 0)
-    link = LinkSpec(up_mbit=args.bandwidth_mbit, down_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms)
+    link = LinkSpec(up_mbit=args.bandwidth_mbit, down_mbit=args.bandwidth_mbit, rtt_ms=args.rtt_ms, window_kb=args.window_kb)
     wan = WanEmulator(("127.0.0.1", port), {"0": link})
     try:
         ports = wan.start()
@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--codec", default="fp32")
     ap.add_argument("--bandwidth-mbit", type=float, default=1000.0)
     ap.add_argument("--rtt-ms", type=float, default=100.0)
+    ap.add_argument("--window-kb", type=float, help="each TCP connection's window (LinkSpec.window_kb); default: no limit")
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path)

@@ -194,7 +194,7 @@ class Summary:
     utilization_until_last_step: dict[str, float] | None = _f("site -> its utilization_until_last_step, and 'run': their mean", optional=True)
     stall_s: dict[str, float] | None = _f("site -> seconds its inner loop waited on outer syncs", optional=True)
     fragment_bytes: dict[str, dict[str, int]] | None = _f("fragments=F: fragment -> {up, down} payload bytes, all sites", optional=True)
-    wan: dict[str, Any] | None = _f("diloco-sim's emulated links: per site and the coordinator's {up_mbit, down_mbit, rtt_ms, jitter_ms}", optional=True)
+    wan: dict[str, Any] | None = _f("diloco-sim's emulated links: per site and the coordinator's {up_mbit, down_mbit, rtt_ms, jitter_ms, window_kb}", optional=True)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,10 @@ class Plan:
     coordinator_bandwidth_gbit: float | None = None  # the coordinator's link; None: the same as a site's
     rtt_ms: float = 100.0  # round-trip time between a site and the coordinator (allreduce: neighbours)
     overhead_s: float = 0.0  # fixed seconds per sync: encode, the coordinator's commit, decode
+    # How much longer the slowest site takes over the steps between two syncs than the average
+    # site, as a fraction (0.02: 2%): each sync waits that long for the slowest site's push.
+    # 0: identical sites arriving together.
+    straggle: float = 0.0
     mode: str = "diloco"  # diloco | ddp (all-reduce of the gradients every step)
     topology: str = "coordinator"  # coordinator (this project) | allreduce (ring among the sites)
     layers: int | None = None  # allreduce/ddp: the sync follows the backward pass layer by layer
@@ -182,6 +186,7 @@ def _field_problems(p: Plan) -> str | None:
         None if p.coordinator_bandwidth_gbit is None else _positive("coordinator_bandwidth_gbit", p.coordinator_bandwidth_gbit, finite=False),
         _non_negative("rtt_ms", p.rtt_ms),
         _non_negative("overhead_s", p.overhead_s),
+        _non_negative("straggle", p.straggle),
         None if p.layers is None else _integer("layers", p.layers, 1),
         None if _is_number(p.backward_fraction) and 0 <= p.backward_fraction < 1 else f"backward_fraction={p.backward_fraction!r}: must be a number in [0, 1)",
         None if _is_number(p.mfu) and 0 < p.mfu <= 1 else f"mfu={p.mfu!r}: must be a number in (0, 1]",
@@ -243,6 +248,7 @@ class _Link:
     s_per_param: float  # link seconds per parameter of the sync (both directions)
     latency_s: float
     overhead_s: float
+    straggle_s: float  # per sync, the wait for the slowest site's push: never hidden (see _stall)
     rate_gbit: float
     bottleneck: str
     sent_bits_per_param: float  # bits one site sends per parameter of the sync
@@ -276,7 +282,8 @@ def _link(p: Plan) -> _Link:
         rate, latency = min(p.bandwidth_gbit, coord / n), 2 * rtt
         neck = "the site's own link" if p.bandwidth_gbit <= coord / n else f"the coordinator's link shared by {n} sites"
     s_per_param = 0.0 if math.isinf(rate) else bits / (rate * 1e9)
-    return _Link(s_per_param, latency, float(p.overhead_s), rate, neck, sent, received)
+    straggle_s = p.straggle * p.compute_step_s * p.steps_per_round / p.syncs_per_round
+    return _Link(s_per_param, latency, float(p.overhead_s), straggle_s, rate, neck, sent, received)
 
 
 def _fragment_layers(p: Plan, fragment: int) -> range:
@@ -301,12 +308,15 @@ def _pieces(p: Plan, fragment: int) -> list[tuple[float, float, float]]:
 
 def _stall(pieces: list[tuple[float, float, float]], params: float, link: _Link) -> float:
     """The site's wait for one sync: its pieces cross the link one at a time in the order they
-    become ready, each then pays the fixed latency and overhead; the wait is the worst lateness."""
+    become ready, each then pays the fixed latency and overhead; the wait is the worst lateness.
+    Plus the straggle: a site faster than the slowest gets ahead of it by that much per sync
+    interval, and any slack (τ steps, a whole phase) is used up after a few intervals, so in
+    the steady state every sync waits for it, whatever the overlap."""
     free, worst = -math.inf, -math.inf
     for ready, share, needed in sorted(pieces):
         free = max(ready, free) + share * params * link.s_per_param
         worst = max(worst, free + link.fixed_s - needed)
-    return max(0.0, worst)
+    return max(0.0, worst) + link.straggle_s
 
 
 def predict(p: Plan) -> Prediction:

@@ -233,7 +233,7 @@ def _start_wan(wan: WanPlan, run_dir: Path, upstream: Path, procs: list[_Proc], 
 def _describe_wan(wan: WanPlan) -> str:
     def one(spec: LinkSpec) -> str:
         rate = "unlimited" if spec.up_mbit is None and spec.down_mbit is None else f"{spec.up_mbit or 'unlimited'}/{spec.down_mbit or 'unlimited'} Mbit/s up/down"
-        return f"{rate}, RTT {spec.rtt_ms:g} ms" + (f" ± {spec.jitter_ms:g} ms" if spec.jitter_ms else "")
+        return f"{rate}, RTT {spec.rtt_ms:g} ms" + (f" ± {spec.jitter_ms:g} ms" if spec.jitter_ms else "") + (f", window {spec.window_kb:g} KiB per connection" if spec.window_kb else "")
 
     distinct = {one(spec) for spec in wan.sites.values()}
     sites = f"each site {distinct.pop()}" if len(distinct) == 1 else "; ".join(f"site {s}: {one(spec)}" for s, spec in wan.sites.items())

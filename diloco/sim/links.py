@@ -11,7 +11,7 @@ from typing import Any
 
 from diloco.sim.wan import LinkSpec
 
-WAN_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms")
+WAN_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms", "window_kb")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class WanPlan:
 
 
 def _idle(spec: LinkSpec) -> bool:
-    return spec.up_mbit is None and spec.down_mbit is None and spec.rtt_ms == 0 and spec.jitter_ms == 0
+    return spec.up_mbit is None and spec.down_mbit is None and spec.rtt_ms == 0 and spec.jitter_ms == 0 and spec.window_kb is None
 
 
 def wan_plan(wan: Mapping[str, Any] | None, site_wan: Sequence[Mapping[str, Any] | None] | None, sites: int) -> WanPlan | None:

@@ -48,7 +48,7 @@ from diloco.io import write_json_atomic
 
 Address = tuple[str, int]
 
-_LINK_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms")
+_LINK_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms", "window_kb")
 # A segment is about this long on the wire: short enough that the rate is smooth at the scale
 # of a few ms (and a small message never waits behind a long segment), long enough that the
 # per-segment Python work stays small next to it (docs/wan.md: what was measured).
@@ -78,10 +78,15 @@ class LinkSpec:
     down_mbit: float | None = None  # bandwidth down, Mbit/s; None: unlimited
     rtt_ms: float = 0.0  # round-trip time the link adds: rtt/2 each direction
     jitter_ms: float = 0.0  # extra one-way delay per segment, uniform in [0, jitter_ms]; order kept
+    # The most bytes one connection may have sent and not yet acknowledged, per direction, in
+    # KiB (TCP's window: the smaller of the congestion window and the receiver's buffer); a
+    # byte is acknowledged one round trip after it left the sender's link, so one connection
+    # carries at most window / RTT. None: no limit (a connection can fill the link at once).
+    window_kb: float | None = None
 
     def problem(self, where: str) -> str | None:
         """What is wrong with this spec, naming the field under ``where``; None if nothing."""
-        for name in ("up_mbit", "down_mbit"):
+        for name in ("up_mbit", "down_mbit", "window_kb"):
             if (msg := _rate_problem(getattr(self, name), _field(where, name))) is not None:
                 return msg
         for name in ("rtt_ms", "jitter_ms"):
@@ -107,6 +112,7 @@ class LinkSpec:
             down_mbit=d.get("down_mbit", both),
             rtt_ms=d.get("rtt_ms", 0.0),
             jitter_ms=d.get("jitter_ms", 0.0),
+            window_kb=d.get("window_kb"),
         )
         if (msg := spec.problem(where)) is not None:
             raise ValueError(msg)
@@ -114,7 +120,7 @@ class LinkSpec:
         return LinkSpec(**as_float)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"up_mbit": self.up_mbit, "down_mbit": self.down_mbit, "rtt_ms": self.rtt_ms, "jitter_ms": self.jitter_ms}
+        return {"up_mbit": self.up_mbit, "down_mbit": self.down_mbit, "rtt_ms": self.rtt_ms, "jitter_ms": self.jitter_ms, "window_kb": self.window_kb}
 
 
 def _field(where: str, name: str) -> str:
@@ -156,6 +162,7 @@ class _Hop:
     wire: _Wire
     delay_s: float
     jitter_s: float
+    window: int | None = None  # bytes a connection may have unacknowledged (LinkSpec.window_kb)
 
     @property
     def shapes(self) -> bool:
@@ -172,7 +179,8 @@ class _Hop:
 
 def _hops(spec: LinkSpec, up: _Wire, down: _Wire) -> tuple[_Hop, _Hop]:
     delay, jitter = spec.rtt_ms / 2000, spec.jitter_ms / 1000
-    return _Hop(up, delay, jitter), _Hop(down, delay, jitter)
+    window = None if spec.window_kb is None else max(1, int(spec.window_kb * 1024))
+    return _Hop(up, delay, jitter, window), _Hop(down, delay, jitter, window)
 
 
 class _PreciseEpollSelector(selectors.EpollSelector if hasattr(selectors, "EpollSelector") else selectors.DefaultSelector):  # type: ignore[misc]
@@ -539,8 +547,8 @@ class WanEmulator:
                 return
             up_path, down_path = self._paths(link)
             rtt = sum(h.delay_s for h in up_path + down_path)
-            up = self._direction(client, upstream, up_path, stats, "bytes_up", f"{self._seed}:{link}:{number}:up", not_before=accepted_at + rtt)
-            down = self._direction(upstream, client, down_path, stats, "bytes_down", f"{self._seed}:{link}:{number}:down", not_before=0.0)
+            up = self._direction(client, upstream, up_path, stats, "bytes_up", f"{self._seed}:{link}:{number}:up", not_before=accepted_at + rtt, rtt=rtt)
+            down = self._direction(upstream, client, down_path, stats, "bytes_down", f"{self._seed}:{link}:{number}:down", not_before=0.0, rtt=rtt)
             directions = [up, down]
             # A socket that is gone stops the direction that writes into it (nothing can arrive
             # there); the other direction still delivers what is in flight.
@@ -562,21 +570,25 @@ class WanEmulator:
                     side.close()  # after what is still buffered for it was written
             stats["open"] -= 1
 
-    def _direction(self, src: _Side, dst: _Side, hops: list[_Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float) -> list[asyncio.Task[None]]:
+    def _direction(self, src: _Side, dst: _Side, hops: list[_Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float, rtt: float) -> list[asyncio.Task[None]]:
         """The tasks that carry one direction: one per shaping hop, then the delivery; the last
-        one ends when the EOF was delivered or the destination is gone."""
+        one ends when the EOF was delivered or the destination is gone. The connection's
+        window (the smallest of its hops') is kept at the first hop, each segment
+        acknowledged ``rtt`` (the whole path's) after it left that hop's wire."""
         loop = asyncio.get_running_loop()
         shaping = [h for h in hops if h.shapes]
         rates = [h.wire.bytes_per_s for h in shaping if h.wire.bytes_per_s is not None]
         segment = MAX_SEGMENT if not rates else max(MIN_SEGMENT, min(MAX_SEGMENT, int(min(rates) * SEGMENT_S)))
         wanted = max(READ_AHEAD_SEGMENTS * segment, int(min(rates, default=0) * READ_AHEAD_S))
         src.read_ahead = max(MIN_READ_AHEAD, min(MAX_READ_AHEAD, wanted))
+        windows = [h.window for h in hops if h.window is not None]
+        window = _Window(min(windows), rtt) if windows else None
         source: Source = src.take
         tasks = []
         for i, hop in enumerate(shaping):
             pipe = _Pipe(hop.pipe_bytes(segment))
             rng = random.Random(f"{seed}:{i}") if hop.jitter_s > 0 else None
-            tasks.append(loop.create_task(_carry(source, hop, pipe, segment, rng, not_before if i == 0 else 0.0)))
+            tasks.append(loop.create_task(_carry(source, hop, pipe, segment, rng, not_before if i == 0 else 0.0, window if i == 0 else None)))
             source = pipe.get
         tasks.append(loop.create_task(_deliver(source, dst, segment, stats, counter)))
 
@@ -592,17 +604,48 @@ class WanEmulator:
         return tasks
 
 
-async def _carry(source: Source, hop: _Hop, out: _Pipe, segment: int, rng: random.Random | None, not_before: float) -> None:
-    """One hop of one direction: each segment waits until it reaches the hop, takes its turn on
-    the hop's wire, and is handed on with the time it arrives at the far end."""
+class _Window:
+    """One connection's window in one direction: the bytes sent and not yet acknowledged, each
+    segment acknowledged ``ack_s`` after its last byte left the wire."""
+
+    __slots__ = ("ack_s", "in_flight", "limit", "unacked")
+
+    def __init__(self, limit: int, ack_s: float) -> None:
+        self.limit, self.ack_s = limit, ack_s
+        self.in_flight = 0
+        self.unacked: deque[tuple[float, int]] = deque()
+
+    def open_at(self, ready: float, n: int) -> float:
+        """When ``n`` more bytes fit, at the earliest ``ready``. A segment larger than the
+        whole window goes once nothing is in flight."""
+        while self.unacked and (self.unacked[0][0] <= ready or self.in_flight + n > self.limit):
+            acked_at, k = self.unacked.popleft()
+            self.in_flight -= k
+            ready = max(ready, acked_at)
+        return ready
+
+    def sent(self, done: float, n: int) -> None:
+        self.unacked.append((done + self.ack_s, n))
+        self.in_flight += n
+
+
+async def _carry(source: Source, hop: _Hop, out: _Pipe, segment: int, rng: random.Random | None, not_before: float, window: _Window | None = None) -> None:
+    """One hop of one direction: each segment waits until it reaches the hop (and, on the
+    first hop, until the connection's window has room), takes its turn on the hop's wire, and
+    is handed on with the time it arrives at the far end."""
     loop = asyncio.get_running_loop()
     last_arrival = 0.0
     while True:
         ready, data = await source(segment)
+        n = len(data) if data else 0
         ready = max(ready, not_before)
+        if window is not None and n:
+            ready = window.open_at(ready, n)
         await _sleep_until(loop, ready)
         # The wire is reserved from `ready`, not from now: waking up late must not slow the link.
-        done = hop.wire.transmit(ready, len(data) if data else 0)
+        done = hop.wire.transmit(ready, n)
+        if window is not None and n:
+            window.sent(done, n)
         await _sleep_until(loop, done)  # back-pressure: the next segment is read once this one left
         jitter = rng.uniform(0, hop.jitter_s) if rng is not None else 0.0
         last_arrival = max(done + hop.delay_s + jitter, last_arrival)

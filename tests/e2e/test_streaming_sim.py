@@ -93,7 +93,7 @@ def test_streaming_with_striping_through_emulated_links(tmp_path: Path) -> None:
     )  # fmt: skip
     summary = run.summary
     assert summary["hashes_equal"] and summary["rounds_committed"] == 5  # 2 x 2 fragments, 1 flush round
-    assert summary["wan"]["sites"]["0"] == {"up_mbit": 50.0, "down_mbit": 50.0, "rtt_ms": 20.0, "jitter_ms": 0.0}
+    assert summary["wan"]["sites"]["0"] == {"up_mbit": 50.0, "down_mbit": 50.0, "rtt_ms": 20.0, "jitter_ms": 0.0, "window_kb": None}
     assert summary["wan"]["coordinator"]["down_mbit"] == 80.0
     stats = run.json("wan/stats.json")
     for site in ("0", "1"):

@@ -238,6 +238,7 @@ def test_link_spec_from_dict_and_its_errors_name_the_field() -> None:
         "wan.bandwidth_mbit=-1": {"bandwidth_mbit": -1},
         "wan.rtt_ms=nan": {"rtt_ms": float("nan")},
         "wan.jitter_ms=-1": {"jitter_ms": -1},
+        "wan.window_kb=0": {"window_kb": 0},
         "wan.down_mbit='fast'": {"down_mbit": "fast"},
         "wan.rtt_ms=True": {"rtt_ms": True},
         "unknown key(s) bandwidth, latency_ms": {"bandwidth": 1, "latency_ms": 2},
@@ -361,6 +362,23 @@ def test_connections_of_one_link_share_its_bandwidth(upstream: Upstream, emulate
 
     measured, tries = _judged(together, 20.0, 1.0)
     assert abs(measured - 20.0) <= 1.0, f"two connections of one link together: {measured:.2f} Mbit/s (tries {tries}), 20 configured"
+
+
+def test_a_window_limits_each_connection_and_not_the_link(upstream: Upstream, emulate: Callable[..., Any]) -> None:
+    """window_kb: one connection carries at most window / RTT (here 256 KiB per 100 ms: 21.0
+    Mbit/s of a 100 Mbit/s link); four connections carry four windows."""
+    link = LinkSpec(up_mbit=100, down_mbit=100, rtt_ms=100, window_kb=256)
+    _, ports = emulate(("127.0.0.1", upstream.port), {"a": link})
+    per_connection = 256 * 1024 * 8 / 0.100 / 1e6
+
+    def streams(k: int) -> float:
+        with ThreadPoolExecutor(k) as pool:
+            return _mbit(list(pool.map(lambda seed: _upload(ports["a"], 2_000_000, seed), range(1, k + 1))))
+
+    one, one_tries = _judged(lambda: streams(1), per_connection, 0.05 * per_connection)
+    assert abs(one - per_connection) <= 0.05 * per_connection, f"one connection: {one:.2f} Mbit/s (tries {one_tries}), window/RTT {per_connection:.2f}"
+    four, four_tries = _judged(lambda: streams(4), 4 * per_connection, 0.05 * 4 * per_connection)
+    assert abs(four - 4 * per_connection) <= 0.05 * 4 * per_connection, f"four connections: {four:.2f} Mbit/s (tries {four_tries}), 4 windows/RTT {4 * per_connection:.2f}"
 
 
 def test_a_new_connection_pays_the_handshake_round_trip(upstream: Upstream, emulate: Callable[..., Any]) -> None:

@@ -76,6 +76,17 @@ def test_streaming_with_overlap_stalls_only_past_tau_steps() -> None:
     assert predict(replace(BASE, fragments=4, overlap_steps=9)).utilization == 1.0
 
 
+def test_the_slowest_sites_straggle_is_waited_for_whatever_the_overlap() -> None:
+    # straggle 0.02: the slowest site takes 2% longer between two syncs, 0.2 s of a 10 s phase.
+    r = predict(replace(BASE, straggle=0.02))
+    assert r.stall_s == pytest.approx(2.0 + 0.2) and r.utilization == pytest.approx(10 / 12.2)
+    # 4 fragments: 0.05 s per sync interval of 2.5 s; τ = 9 hides the transfer, not the straggle.
+    hidden = predict(replace(BASE, fragments=4, overlap_steps=9, straggle=0.02))
+    assert hidden.stall_s == pytest.approx(4 * 0.05) and hidden.utilization == pytest.approx(10 / 10.2)
+    # Eager: the transfer hides behind the whole next phase; the 0.2 s per round does not.
+    assert predict(replace(BASE, outer_mode="eager", straggle=0.02)).stall_s == pytest.approx(0.2)
+
+
 @pytest.mark.parametrize("outer_mode", ["eager", "delayed"])
 def test_eager_and_delayed_overlap_the_whole_next_inner_phase(outer_mode: str) -> None:
     assert predict(replace(BASE, outer_mode=outer_mode)).utilization == 1.0  # 2 s under 10 s of compute
@@ -203,6 +214,7 @@ BAD = [
     ({"coordinator_bandwidth_gbit": 0.0}, "coordinator_bandwidth_gbit=0.0"),
     ({"rtt_ms": -1.0}, "rtt_ms=-1.0: must be a finite number >= 0"),
     ({"overhead_s": -0.1}, "overhead_s=-0.1"),
+    ({"straggle": -0.01}, "straggle=-0.01"),
     ({"fragments": 4, "overlap_steps": 25}, "overlap_steps=25: must be below sync_every/fragments = 25"),
     ({"overlap_steps": 100}, "overlap_steps=100"),
     ({"overlap_steps": -1}, "overlap_steps=-1: must be an integer >= 0"),
