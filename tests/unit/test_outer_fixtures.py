@@ -1,6 +1,7 @@
 """Stored numbers for the outer math: a few rounds of every outer optimizer over the weighted
 mean (both aggregates) of seeded pseudo-gradients, with lossy-link error feedback. A change
-that moves any of these numbers by one ulp fails here, whatever the other tests say.
+that moves any of these numbers by one ulp fails here, whatever the other tests say (torch's
+Adam, whose last bit differs by CPU, within 4 ulp).
 
 The fixture is tests/unit/fixtures/outer_math.safetensors; after a change that is meant to
 move the numbers, regenerate it (and say why in the commit):
@@ -69,4 +70,9 @@ def test_the_outer_math_gives_the_stored_numbers() -> None:
     stored = load_file(str(FIXTURE))
     assert sorted(stored) == sorted(got)
     for key, value in got.items():
+        if "/adam/" in key:
+            # torch's own Adam kernel rounds differently by the CPU's vector unit (AVX2 against
+            # AVX-512: 1 ulp seen); ours is exact everywhere.
+            torch.testing.assert_close(value, stored[key], rtol=4 * torch.finfo(value.dtype).eps, atol=0, msg=key)
+            continue
         assert torch.equal(value, stored[key]), f"{key}: max difference {(value - stored[key]).abs().max().item():.3e}"
