@@ -60,6 +60,20 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_jsonl_tolerant(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file another process may be appending to (or was killed
+    writing): a torn or unreadable line is skipped; no file, no records."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def exit_process() -> None:
     """Ends the process at once, once its work is done and written (result files are written
     atomically, before this): flushes stdout and stderr and skips interpreter teardown. That

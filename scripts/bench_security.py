@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from diloco.codec import get_codec  # noqa: E402
 from diloco.security.config import SecurityConfig  # noqa: E402
-from diloco.security.store import RunCredentials, write_run_credentials  # noqa: E402
+from diloco.security.store import write_run_credentials  # noqa: E402
 from diloco.transport import CoordinatorClient  # noqa: E402
 from diloco.types import PushHeader  # noqa: E402
 from diloco.wire import encode_chunks  # noqa: E402

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 run_dir="runs/demo_$(date +%Y%m%d_%H%M%S)"
 .venv/bin/diloco-sim hydra.run.dir="$run_dir" "$@"
-echo "run directory: $run_dir (summary.json, metrics.jsonl, logs/)"
+echo "run directory: $run_dir (summary.json, metrics.jsonl, plots/, logs/)"

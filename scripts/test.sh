@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh dev,hf,lightning  # the plug-ins' tests need both trainers
+bash scripts/setup_browser.sh || true  # chromium for the status page's browser tests (best effort; they skip without it)
 if [ "${1:-}" = "--quick" ]; then
     shift
     exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration "$@"

@@ -4,6 +4,8 @@ on sys.path (pytest's rootdir-relative conftest), so tests import ``helpers`` di
 from __future__ import annotations
 
 import os
+import socket
+from collections.abc import Iterator
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is first imported: no INFO line per refused handshake
 
@@ -20,3 +22,12 @@ settings.load_profile("diloco")
 @pytest.fixture
 def fake_clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port another socket listens on while the test runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]

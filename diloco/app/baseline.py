@@ -24,6 +24,7 @@ from diloco.app import records
 from diloco.app.records import GlobalRecord, MetricsLine, WorkerRecord, append_metrics
 from diloco.io import peak_rss_mb
 from diloco.model import build_model, count_params
+from diloco.observe.tensorboard import RunBoard, board_dir
 from diloco.outer import params_sha256
 from diloco.site.inner import InnerTrainer, evaluate_loss
 
@@ -57,6 +58,9 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     # every rank sends its whole gradient up and receives the whole mean down.
     # One worker (mode=single) communicates nothing.
     grad_bytes_per_step = 4 * params * world_size if distributed else 0
+    # The run's TensorBoard scalars, as a DiLoCo coordinator writes them (tb/coordinator: the
+    # same tags, so that runs of every mode compare in one TensorBoard).
+    board = RunBoard(board_dir(run_dir, "coordinator")) if rank == 0 and cfg.tensorboard.enabled else None
     start = time.monotonic()
     round_start = start
     final_eval: float | None = None
@@ -77,9 +81,14 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
             now = time.monotonic()
             line = _metrics_line(cfg, r, world_size, sampler.tokens_per_batch, grad_bytes_per_step, float(loss), eval_bpb, model)
             line.update(eval_loss=eval_loss, eval_by="coordinator" if eval_loss is not None else None)
-            append_metrics(run_dir / "metrics.jsonl", MetricsLine(**line, wall_s=round(now - round_start, 4), elapsed_s=round(now - start, 4)))
+            written = MetricsLine(**line, wall_s=round(now - round_start, 4), elapsed_s=round(now - start, 4))
+            append_metrics(run_dir / "metrics.jsonl", written)
+            if board is not None:
+                board.write(written)
             round_start = now
             log(f"{cfg.mode} round {r} done: train_loss={float(loss):.4f}" + (f" eval_bpb={eval_bpb:.4f}" if eval_bpb is not None else ""))
+    if board is not None:
+        board.close()
     digest = params_sha256(dict(model.named_parameters()))
     result = WorkerRecord(
         site_id=str(rank),

@@ -15,6 +15,8 @@ from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
 from diloco.outer import OuterConfig, RobustConfig, check_aggregate
+from diloco.observe.logs import LoggingConfig
+from diloco.observe.config import TensorBoardConfig
 from diloco.security.config import SecurityConfig
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
@@ -96,6 +98,8 @@ class RunConfig:
     merge: str = "alpha"  # alpha (the merge above) | delta: θ + the local steps trained since the push (docs/streaming.md)
     outer_mode: str = "blocking"  # blocking | eager | delayed: eager/delayed overlap the whole sync with the next inner phase
     streams: int = 1  # connection striping: a site's push and pull each over this many concurrent streams (TCP connections)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # every process's log format: text lines, or JSON lines (logging.json)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)  # TensorBoard scalars under <run dir>/tb (tensorboard.enabled)
 
     def __post_init__(self) -> None:
         self._resolve_codecs()
@@ -247,8 +251,11 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         robust = _build(RobustConfig, d.pop("robust", {}), "robust")
         security = _build(SecurityConfig, d.pop("security", {}), "security")
         init = _build(InitConfig, d.pop("init", {}), "init")
+        logging_config = _build(LoggingConfig, d.pop("logging", {}), "logging")
+        tensorboard = _build(TensorBoardConfig, d.pop("tensorboard", {}), "tensorboard")
         sections = {
             "model": model, "data": data, "inner": inner, "outer": outer, "quorum": quorum, "guard": guard, "robust": robust, "security": security, "init": init,
+            "logging": logging_config, "tensorboard": tensorboard,
         }  # fmt: skip
         return _build(RunConfig, {**d, **sections}, "")
     except ConfigError:

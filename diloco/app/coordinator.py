@@ -3,12 +3,13 @@ server, metrics with evaluation where it can be done, a final report."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.data import DataError, eval_batches, load_corpus
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model
+from diloco.observe.config import MetricsConfig
+from diloco.observe.coordinator_observer import CoordinatorObserver
+from diloco.observe.logs import log_at
+from diloco.observe.status_page import StatusConfig, StatusPage, serve_status_page
 from diloco.site.inner import evaluate_loss
 from diloco.security.store import RunCredentials
 from diloco.transport import ServerLimits, serve
@@ -44,6 +49,13 @@ class CoordinatorOptions:
     max_rpcs: int = 128  # concurrent calls in all; more are refused at once (the caller retries)
     max_rpcs_per_site: int = 32  # concurrent calls naming one site id
     stream_idle_s: float = 30.0  # a push or pull that moves no message this long is cancelled
+    reflection: bool = False  # gRPC server reflection too (the health service is always on: diloco.transport.health)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # this process's Prometheus endpoint (metrics.port; off by default)
+    status: StatusConfig = field(default_factory=StatusConfig)  # the read-only status page (status.port; off by default)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reflection, bool):
+            raise ConfigError(f"coordinator.reflection={self.reflection!r}: must be true or false")
 
 
 def run_coordinator(
@@ -54,6 +66,32 @@ def run_coordinator(
     torch.set_num_threads(cfg.threads)
     limit_malloc_arenas()  # memory must not grow with the number of sites (see diloco/io.py)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # TensorBoard and /metrics (docs/observability.md); a metrics port in use fails here, first.
+    observer = CoordinatorObserver.start(cfg.tensorboard, opts.metrics, run_dir, log)
+    page: StatusPage | None = None
+    try:
+        # The status page (a port in use fails here too); it shows the coordinator once built.
+        page = _status_page(cfg, opts, run_dir, log)
+        return _serve_run(cfg, opts, run_dir, log, page.chain(attach) if page else attach, observer)
+    finally:
+        if page is not None:
+            page.close()
+        observer.close()
+
+
+def _status_page(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None]) -> StatusPage | None:
+    """The read-only status page on opts.status.port (docs/observability.md), or None when off."""
+    if not opts.status.enabled:
+        return None
+    about = {"sites": cfg.sites, "H": cfg.sync_every, "model": cfg.model.name, "codec": cfg.codec.describe()}
+    page = serve_status_page(opts.status, cfg.security, run_dir / "metrics.jsonl", about)
+    log(f"coordinator: status page on {page.url} ({page.security.describe()})")
+    return page
+
+
+def _serve_run(
+    cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None], attach: Callable[[Coordinator], None] | None, observer: CoordinatorObserver
+) -> dict[str, Any]:
     theta0, source = initial_params(cfg)
     evaluate = coordinator_evaluator(cfg, theta0, log)
     coordinator = Coordinator(theta0, cfg.outer, coordinator_config(cfg, opts, source, evaluate is not None))
@@ -63,14 +101,21 @@ def run_coordinator(
     fatal, failed = _failure_alarm(log)
     coordinator.on_fatal.append(fatal)
     reporter = MetricsReporter(
-        run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log, on_fatal=fatal
-    )
+        run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log, on_fatal=fatal,
+        listeners=observer.line_listeners,
+    )  # fmt: skip
     coordinator.on_commit.append(reporter.submit)
+    observer.attach(coordinator)
     coordinator.on_init.append(lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params, sha256 {coordinator.global_sha256()[:16]}"))
     if attach is not None:
         attach(coordinator)
     limits = ServerLimits(max_rpcs=opts.max_rpcs, max_rpcs_per_site=opts.max_rpcs_per_site, stream_idle_s=opts.stream_idle_s)
-    server, port = serve(coordinator, opts.host, opts.port, security=cfg.security, limits=limits)
+    server, port = serve(
+        coordinator, opts.host, opts.port, security=cfg.security, limits=limits, observer=observer.metrics, serving=not coordinator.finished, reflection=opts.reflection
+    )
+    # The health service: SERVING while rounds are taken; NOT_SERVING after the last, or a failure.
+    coordinator.on_commit.append(lambda _record: server.set_serving(not coordinator.finished and coordinator.failed is None))
+    coordinator.on_fatal.append(lambda _what, _e: server.set_serving(False))
     stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
     try:
@@ -148,7 +193,7 @@ def _failure_alarm(log: Callable[[str], None]) -> tuple[Callable[[str, BaseExcep
     failed = threading.Event()
 
     def fatal(what: str, e: BaseException) -> None:
-        log(f"coordinator failed: {what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
+        log_at(log, logging.ERROR, f"coordinator failed: {what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
         failed.set()
 
     return fatal, failed
@@ -170,7 +215,7 @@ def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[s
         if coordinator.finished:
             finished_at = finished_at or time.monotonic()
             if time.monotonic() - finished_at > linger_s:
-                log(f"not every site left within {linger_s:.0f}s after the last round; stopping anyway")
+                log_at(log, logging.WARNING, f"not every site left within {linger_s:.0f}s after the last round; stopping anyway")
                 return
 
 
@@ -222,7 +267,7 @@ def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None
     """Restores the newest good checkpoint in ``directory``, if any; names the bad ones it skips."""
     loaded = load_latest(directory)
     for problem in loaded.problems if loaded else []:
-        log(f"skipping a bad checkpoint: {problem}")
+        log_at(log, logging.WARNING, f"skipping a bad checkpoint: {problem}")
     if loaded is None:
         return
     try:

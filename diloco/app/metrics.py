@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -37,11 +37,15 @@ class MetricsReporter:
         eval_by: str = "coordinator",
         bytes_data: bool = True,
         on_fatal: Callable[[str, BaseException], None] | None = None,
+        listeners: Sequence[Callable[[MetricsLine], None]] = (),
     ) -> None:
         """``evaluate``: θ -> held-out loss in nats per token (None: the sites evaluate);
         ``bytes_data``: tokens are bytes, so eval_bpb = eval_loss / ln 2 is written too;
-        ``on_fatal``: told when the writer thread breaks (it never dies silently)."""
+        ``on_fatal``: told when the writer thread breaks (it never dies silently);
+        ``listeners``: told every line once it is in the file (TensorBoard), those rewritten
+        after a restart too; one that raises is logged and not told again (``on_line``)."""
         self._on_fatal = on_fatal
+        self.on_line: list[Callable[[MetricsLine], None]] = list(listeners)
         self.path = path
         self._c = coordinator
         self._evaluate = evaluate
@@ -100,6 +104,7 @@ class MetricsReporter:
                 line.eval_tokens = by_sites["tokens"]
             append_metrics(self.path, line)
             self.lines += 1
+            self._tell(line)
             eval_bpb = line.eval_bpb
             shown = f"{eval_bpb:.4f}" if eval_bpb is not None else f"{eval_loss:.4f} nats/token" if eval_loss is not None else "-"
             verdict = f" REJECTED: {record.guard}" if record.rejected else ""
@@ -112,6 +117,15 @@ class MetricsReporter:
                 self.refused[r["site"]] = self.refused.get(r["site"], 0) + 1
                 if self.refused[r["site"]] >= 2:
                     self._log(f"site {r['site']}: {self.refused[r['site']]} of its pushes refused so far (robust.norm_ratio); it may be broken or hostile")
+
+    def _tell(self, line: MetricsLine) -> None:
+        """The line to each listener; a listener that breaks is dropped (training goes on)."""
+        for listener in list(self.on_line):
+            try:
+                listener(line)
+            except Exception as e:  # noqa: BLE001 - a dashboard must not stop the run
+                self.on_line.remove(listener)
+                self._log(f"metrics: a line listener failed and is dropped: {type(e).__name__}: {e}")
 
     def _line(self, rec: dict, *, eval_loss: float | None, bytes_down: int | None, recovered: bool = False) -> MetricsLine:
         return MetricsLine(
@@ -159,6 +173,8 @@ class MetricsReporter:
             if rec is None:
                 self._log(f"metrics: round {r} was committed before the restart but its record is gone; its line is missing")
                 continue
-            append_metrics(self.path, self._line(rec, eval_loss=None, bytes_down=None, recovered=True))
+            line = self._line(rec, eval_loss=None, bytes_down=None, recovered=True)
+            append_metrics(self.path, line)
             self.lines += 1
+            self._tell(line)
             self._log(f"metrics: wrote the line of round {r}, committed before the restart")

@@ -154,9 +154,12 @@ class WorkerRecord:
 
 @dataclass
 class ProgressRecord:
-    """progress/<site>.<incarnation>.json: tokens one site process trained so far, rewritten every step."""
+    """progress/<site>.<incarnation>.json: what one site process trained so far and where it is, rewritten every step."""
 
     tokens: int = _f("tokens trained by this process, counted as it goes (goodput's denominator)")
+    round: int | None = _f("the round its current inner phase trains for (diloco-sim's progress bar)", optional=True)
+    step: int | None = _f("inner steps of that phase done so far", optional=True)
+    steps: int | None = _f("inner steps the phase has (H, or H/fragments; 0 in a flush round)", optional=True)
 
 
 @dataclass
@@ -210,12 +213,16 @@ RUN_FILES: tuple[RunFile, ...] = (
     RunFile("metrics.jsonl", "one JSON line per committed round", MetricsLine, "the coordinator (ddp/single: rank 0)"),
     RunFile("global.json", "the coordinator's report", GlobalRecord, "the coordinator (ddp/single: rank 0)"),
     RunFile("workers/<id>.json", "one per site (or rank)", WorkerRecord, "each site / rank"),
-    RunFile("progress/<site>.<incarnation>.json", "tokens a site process trained so far", ProgressRecord, "each site process"),
+    RunFile("progress/<site>.<incarnation>.json", "tokens a site process trained so far, and its round and step", ProgressRecord, "each site process"),
+    RunFile("status_page.json", "where the coordinator serves its status page: {host, port, url, tls, client_certificate, token} (diloco-sim's status.port)", None, "the coordinator"),
     RunFile("summary.json", "the run's summary", Summary, "diloco-sim"),
     RunFile("faults.json", "the fault events to inject (the `faults` section of diloco-sim)", None, "diloco-sim"),
     RunFile("faults.jsonl", "one line per fault event that fired: event, kind, process, time, round, …", None, "the process that suffered it"),
     RunFile("checkpoints/coordinator/, checkpoints/site-<i>/", "atomic checkpoints (coordinator: every round; sites: their own state)", None, "the coordinator, each site"),
-    RunFile("logs/<process>.<incarnation>.log", "each process's output", None, "diloco-sim"),
+    RunFile("logs/<process>.<incarnation>.log", "each process's output: log lines `time [process] LEVEL message` (logging.json=true: one JSON object per line, {time, process, level, message})", None, "diloco-sim"),
+    RunFile("tb/coordinator/, tb/site-<id>/", "TensorBoard event files (tensorboard.enabled): the run's scalars per round, by round and by tokens (by_tokens/); each site's inner loss, lr and step time per step, and its outer sync's time split per round (docs/observability.md)", None, "the coordinator (ddp/single: rank 0), each site"),
+    RunFile("prometheus/<process>.json", "where a process serves Prometheus /metrics: {host, port, url} (diloco-sim's metrics.port)", None, "the coordinator, each site"),
+    RunFile("plots/*.png", "eval_vs_tokens, train_loss_vs_tokens, eval_vs_bytes (log scale), overview (the three side by side), timeline (per site and round: pushed, absent, evicted, late, dropped, refused, killed, rejoined)", None, "diloco-sim, at the end (sim.plots)"),
 )
 
 

@@ -7,7 +7,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +19,9 @@ from diloco.app.records import ProgressRecord, WorkerRecord
 from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
+from diloco.observe.config import MetricsConfig
+from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, SiteStep
+from diloco.observe.site_observer import SiteObserver
 from diloco.site.checkpoint import SiteCheckpointer
 from diloco.outer import params_sha256
 from diloco.site.device import configure_cuda, resolve_device
@@ -53,6 +56,8 @@ class SiteOptions:
     # port it listens on here; the site reads it once it is ready to connect.
     coordinator_port_file: str | None = None
     gpu: int | None = None  # device=cuda: which visible GPU (modulo their number); default LOCAL_RANK (torchrun) or 0
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # this site's Prometheus endpoint (metrics.port; off by default)
+    progress: ProgressConfig = OFF  # live progress on the terminal (diloco-site's ``progress``; simulated sites: off, the simulator shows the run's)
 
     def coordinator_address(self) -> str:
         """Where to call the coordinator: ``coordinator``, or what the port file says once it exists."""
@@ -158,21 +163,30 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         log = _silent  # the site's leader rank speaks for it
     if cfg.compile and layout.forward_backward is None:
         layout.model.compile()  # in place: torch.compile(m) would rename every parameter "_orig_mod.…"
-    site = _Site(cfg, opts, run_dir, log, hooks, layout, sampler, corpus)
+    # TensorBoard and /metrics, from the leader rank (docs/observability.md); a metrics port in use fails here.
+    observer = SiteObserver.start(opts.site_id, cfg.tensorboard, opts.metrics, run_dir, log) if layout.leader else SiteObserver()
+    live = _live_progress(cfg, opts, layout.leader, log)
+    log = live.say  # log lines go above a progress bar
+    site = _Site(cfg, opts, run_dir, log, hooks, layout, sampler, corpus, observer)
+    site.live = live
     start = time.monotonic()
-    with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.streams) as real_client:
-        client = hooks.wrap(real_client) if hooks else real_client
-        options = SyncOptions(
-            codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
-            fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
-            streams=cfg.streams,
-            eager_lr=(cfg.outer.lr if cfg.outer is not None else 1.0) / cfg.sites,  # the site's 1/N share of the average, stepped at the outer lr
-        )  # fmt: skip
-        sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None)
-        try:
-            site_hash = site.train(sync, shard)
-        finally:
-            sync.close()
+    try:
+        with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.streams) as real_client:
+            client = hooks.wrap(real_client) if hooks else real_client
+            options = SyncOptions(
+                codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
+                fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
+                streams=cfg.streams,
+                eager_lr=(cfg.outer.lr if cfg.outer is not None else 1.0) / cfg.sites,  # the site's 1/N share of the average, stepped at the outer lr
+            )  # fmt: skip
+            sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None)
+            try:
+                site_hash = site.train(sync, shard)
+            finally:
+                sync.close()
+    finally:
+        observer.close()
+        live.close()
     per_rank = layout.gather_objects({"bytes_up": sync.stats.bytes_up, "bytes_down": sync.stats.bytes_down, "sync": _median_times(sync.stats.timings)})
     close_site_group()
     if not layout.leader:
@@ -198,11 +212,22 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     return records.to_dict(result)
 
 
+def _live_progress(cfg: RunConfig, opts: SiteOptions, leader: bool, log: Callable[[str], None]) -> LiveProgress:
+    """The site's own progress bar (or plain lines) of its inner steps, from its leader rank."""
+    schedule = cfg.schedule
+    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=1, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds)
+    return LiveProgress(opts.progress if leader else OFF, log, tracker, label=f"site {opts.site_id}")
+
+
 class _Site:
     """One site process's rounds: inner phases, outer syncs, its checkpoints and evaluations."""
 
-    def __init__(self, cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None], hooks: SiteHooks | None, layout: Any, sampler: ShardSampler, corpus: Any) -> None:
+    def __init__(
+        self, cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[str], None], hooks: SiteHooks | None, layout: Any, sampler: ShardSampler, corpus: Any,
+        observer: SiteObserver | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.opts, self.log, self.hooks = cfg, opts, log, hooks
+        self.observer = observer or SiteObserver()  # TensorBoard and /metrics (each may be off)
         self.layout, self.sampler, self.corpus = layout, sampler, corpus
         self.trainer = InnerTrainer(layout.model, cfg.inner, total_steps=cfg.total_steps, layout=layout)
         self.heldout: list | None = None  # the site's held-out batches, made the first time it evaluates
@@ -212,6 +237,7 @@ class _Site:
         # site's count is at most one step behind.
         self.progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
         self.trained = 0
+        self.live: LiveProgress | None = None  # the site's progress on the terminal (diloco-site)
         self.schedule = cfg.schedule  # when this site pushes and merges (diloco.site.overlap)
         self.loop: RoundLoop | None = None
         self.checkpointer: SiteCheckpointer | None = None
@@ -234,6 +260,7 @@ class _Site:
         self.loop = RoundLoop(
             sync, self.schedule, self._step, self.sampler.tokens_per_batch, lambda p, d: self._after_round(sync, p, d), mean=self.layout.mean, budget_s=cfg.inner_budget_s
         )
+        self.observer.watch(sync, self.loop)
         self.loop.run()
         # The hash of the whole θ: of this rank's copy, or (sharded sites) of the whole
         # tensors gathered from the ranks once, at the end, only to verify it.
@@ -245,11 +272,15 @@ class _Site:
 
     def _step(self, round: int, step: int) -> float:
         """One inner step, counted as it goes."""
-        t0 = time.monotonic()
+        t0, at = time.monotonic(), self.trainer.steps_done
         loss = self.trainer.step(*self.layout.batch(*self.sampler.next_batch()))
         self.trained += self.sampler.tokens_per_batch
+        self.observer.step(at, loss, self.trainer.optimizer.param_groups[0]["lr"], time.monotonic() - t0, self.sampler.tokens_per_batch)
         if self.layout.leader:
-            write_json_atomic(self.progress, records.to_dict(ProgressRecord(tokens=self.trained)), fsync=False)
+            at = SiteStep(round, step + 1, self.schedule.steps_of(round))
+            write_json_atomic(self.progress, records.to_dict(ProgressRecord(tokens=self.trained, round=at.round, step=at.step, steps=at.steps)), fsync=False)
+            if self.live is not None:
+                self.live.update(round, {self.opts.site_id: at}, force=at.step >= at.steps)
         if self.hooks:
             self.hooks.after_step(round, step, self.schedule.round_steps, time.monotonic() - t0)
         return loss
@@ -268,6 +299,7 @@ class _Site:
         self.trainer.steps_done = sync.round * self.schedule.round_steps + self.loop.phase_steps
         if self.checkpointer and not sync.finished:
             self.checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
+        self.observer.landed(pending.header.round, pending.times)
         last = self.loop.last_loss.get(pending.header.round)
         loss = f"train_loss={last:.4f} " if last is not None else ""
         self.log(f"site {opts.site_id} round {pending.header.round} done: {loss}global {digest[:12]}")

@@ -10,8 +10,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.app.config import ConfigError, RunConfig, run_config_from_dict
+from diloco.observe.config import MetricsConfig, metrics_config
+from diloco.observe.progress import ProgressConfig, progress_config
+from diloco.observe.status_page import StatusConfig, status_config
 
-RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "robust", "security", "init", "eval_by", "device", "compile", "tf32", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams")
+RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "robust", "security", "init", "eval_by", "device", "compile", "tf32", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams", "logging", "tensorboard")
+
+
+# Each entry point's own top-level keys, besides the run's (RUN_KEYS).
+SECTIONS = {
+    "sim": ("sim", "faults", "wan", "site_wan", "metrics", "status", "progress"),
+    "coordinator": ("coordinator", "metrics", "status"),
+    "site": ("site", "metrics", "progress"),
+}
 
 
 def run_config(cfg: DictConfig, sections: tuple[str, ...]) -> RunConfig:
@@ -25,6 +36,30 @@ def run_config(cfg: DictConfig, sections: tuple[str, ...]) -> RunConfig:
 
 def section(cfg: DictConfig, name: str) -> dict[str, Any]:
     return OmegaConf.to_container(cfg[name], resolve=True)  # type: ignore[return-value]
+
+
+def process_metrics(cfg: DictConfig) -> MetricsConfig:
+    """The process's ``metrics`` section (its Prometheus endpoint); ConfigError naming the field."""
+    try:
+        return metrics_config(section(cfg, "metrics") if cfg.get("metrics") is not None else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def process_status(cfg: DictConfig) -> StatusConfig:
+    """The coordinator's ``status`` section (its status page); ConfigError naming the field."""
+    try:
+        return status_config(section(cfg, "status") if cfg.get("status") is not None else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def process_progress(cfg: DictConfig) -> ProgressConfig:
+    """The ``progress`` section (live progress on the terminal); ConfigError naming the field."""
+    try:
+        return progress_config(section(cfg, "progress") if cfg.get("progress") is not None else None)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def run_dir() -> Path:

@@ -6,20 +6,21 @@ import hydra
 from omegaconf import DictConfig
 
 from diloco.checkpoint import CheckpointError
-from diloco.cli.common import fail, run_config, run_dir, section
+from diloco.cli.common import SECTIONS, fail, process_metrics, process_status, run_config, run_dir, section
 from diloco.app.config import ConfigError
 from diloco.coordinator.init_file import InitFileError
 from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
 from diloco.data import DataError
 from diloco.io import exit_process
+from diloco.observe.logs import setup_logging
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="coordinator", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg, ("coordinator",))
-        opts = CoordinatorOptions(**section(cfg, "coordinator"))
-        run_coordinator(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
+        rc = run_config(cfg, SECTIONS["coordinator"])
+        opts = CoordinatorOptions(**section(cfg, "coordinator"), metrics=process_metrics(cfg), status=process_status(cfg))
+        run_coordinator(rc, opts, run_dir(), log=setup_logging("coordinator", json=rc.logging.json))
         exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)
     except (ConfigError, TypeError) as e:
         fail(f"bad config: {e}")

@@ -7,25 +7,33 @@ import json
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.cli.common import fail, run_config, run_dir, section
+from diloco.cli.common import SECTIONS, fail, process_progress, run_config, run_dir, section
 from diloco.app.config import ConfigError
 from diloco.data import DataError
-from diloco.sim.launcher import SimError, run_simulation, sim_faults, sim_wan
+from diloco.observe.logs import setup_logging
+from diloco.sim.launcher import SimError, run_simulation, sim_faults, sim_metrics, sim_status, sim_wan
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="sim", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg, ("sim", "faults", "wan", "site_wan"))
+        rc = run_config(cfg, SECTIONS["sim"])
         faults = sim_faults(section(cfg, "faults"), rc)
+        metrics_port = sim_metrics(section(cfg, "metrics") if cfg.get("metrics") is not None else None, rc)
+        status_port = sim_status(section(cfg, "status") if cfg.get("status") is not None else None, rc)
+        live = process_progress(cfg)
         wan = sim_wan(section(cfg, "wan"), OmegaConf.to_container(cfg.site_wan, resolve=True) if cfg.get("site_wan") is not None else None, rc)
     except ConfigError as e:
         fail(f"bad config: {e}")
     out = run_dir()
-    print(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync_every} rounds={rc.rounds} -> {out}", flush=True)
+    log = setup_logging("diloco-sim", json=rc.logging.json)
+    log(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync_every} rounds={rc.rounds} -> {out}")
     try:
         sim = section(cfg, "sim")
-        summary = run_simulation(rc, out, timeout_s=float(sim["timeout_s"]), resume=bool(sim["resume"]), faults=faults, credentials=bool(sim["credentials"]), wan=wan)
+        summary = run_simulation(
+            rc, out, timeout_s=float(sim["timeout_s"]), progress=log, resume=bool(sim["resume"]), faults=faults, credentials=bool(sim["credentials"]), wan=wan,
+            plots=bool(sim.get("plots", True)), metrics_port=metrics_port, status_port=status_port, live=live,
+        )  # fmt: skip
     except DataError as e:
         fail(f"bad data: {e}")
     except ConfigError as e:
@@ -33,8 +41,10 @@ def _main(cfg: DictConfig) -> None:
     except SimError as e:
         fail(f"run failed: {e}", code=1)
     keys = ("mode", "sites", "params", "tokens", "final_eval_bpb", "bytes_up", "bytes_down", "wall_s", "hashes_equal")
-    print(json.dumps({k: summary[k] for k in keys}, indent=1), flush=True)
-    print(f"results: {out}/summary.json and {out}/metrics.jsonl", flush=True)
+    # The summary is the command's output, not a log record; logging.json=true: one line, so
+    # that stdout holds nothing but JSON lines.
+    print(json.dumps({k: summary[k] for k in keys}, indent=None if rc.logging.json else 1), flush=True)
+    log(f"results: {out}/summary.json and {out}/metrics.jsonl")
 
 
 def main() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from diloco.cli.common import fail, run_config, run_dir, section
+from diloco.cli.common import SECTIONS, fail, process_metrics, process_progress, run_config, run_dir, section
 from diloco.app.config import ConfigError
 from diloco.data import DataError
 from diloco.io import exit_process
+from diloco.observe.logs import setup_logging
 from diloco.app.site import SiteOptions, run_site
 from diloco.transport import RemoteError
 
@@ -16,13 +17,14 @@ from diloco.transport import RemoteError
 @hydra.main(config_path="pkg://diloco.conf", config_name="site", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        rc = run_config(cfg, ("site",))
+        rc = run_config(cfg, SECTIONS["site"])
         s = section(cfg, "site")
         opts = SiteOptions(
-            site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]), checkpoint_dir=s["checkpoint_dir"]
-        )
+            site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]), checkpoint_dir=s["checkpoint_dir"],
+            metrics=process_metrics(cfg), progress=process_progress(cfg),
+        )  # fmt: skip
         opts.data_shard(rc.sites)
-        run_site(rc, opts, run_dir(), log=lambda m: print(m, flush=True))
+        run_site(rc, opts, run_dir(), log=setup_logging(f"site {opts.site_id}", json=rc.logging.json))
         exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)
     except DataError as e:
         fail(f"bad data: {e}")

@@ -91,6 +91,11 @@ class Membership:
     def known(self) -> frozenset[str]:
         return frozenset(self._members)
 
+    def counts(self) -> dict[str, int]:
+        """How many sites are active, evicted and left."""
+        states = [m.state for m in self._members.values()]
+        return {state: states.count(state) for state in ("active", "evicted", "left")}
+
     def next_expiry(self) -> float | None:
         """When the earliest active lease ends (monotonic seconds), or None."""
         times = [m.expires_at for m in self._members.values() if m.state == "active"]

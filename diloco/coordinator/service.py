@@ -215,6 +215,19 @@ class Coordinator:
         with self._cv:
             return self._members.active
 
+    def site_counts(self) -> dict[str, int]:
+        """Sites by membership state: active, evicted, left."""
+        with self._cv:
+            return self._members.counts()
+
+    def site_states(self) -> dict[str, dict[str, Any]]:
+        """Site -> {"state": active | evicted | left, "joins", "pushed_s_ago": seconds since its
+        push into the open round arrived, or None}: a copy taken under the lock at once (the
+        status page's view; diloco/observe/status_state.py)."""
+        with self._cv:
+            now, pushed = self._clock(), self._round.pushed_at
+            return {s: {**m, "pushed_s_ago": now - pushed[s] if s in pushed else None} for s, m in self._members.snapshot().items()}
+
     # ---- membership ------------------------------------------------------------------
     def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0) -> JoinInfo:
         """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the

@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 from diloco.app.config import run_config_from_dict
+from diloco.observe.config import MetricsConfig
+from diloco.observe.logs import setup_logging
+from diloco.observe.status_page import StatusConfig
 from diloco.sim.faults import FAULTS_FILE, FaultPlan, SiteFaults, coordinator_hooks, faults_from_file
 from diloco.io import exit_process
 
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", help="checkpoint every round there, resume from it")
     p.add_argument("--incarnation", type=int, default=0, help="how many times this process was started again")
     p.add_argument("--skip-faults", default="", help="indices of fault events that fired already")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: any free one)")
+    p.add_argument("--metrics-file", help="with --metrics-port: write where /metrics is served there (JSON)")
+    p.add_argument("--status-port", type=int, default=None, help="coordinator: serve the status page on this port (0: any free one)")
+    p.add_argument("--status-file", help="with --status-port: write where the status page is served there (JSON)")
     args = p.parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A rank started by torchrun for the simulator: die with torchrun, as torchrun dies
@@ -41,32 +48,35 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
     cfg = run_config_from_dict(json.loads(args.config.read_text()))
-    process = "coordinator" if args.role == "coordinator" else f"site {args.site_id}"
+    process = {"coordinator": "coordinator", "site": f"site {args.site_id}", "worker": f"rank {args.rank}"}[args.role]
     skip = [int(i) for i in args.skip_faults.split(",") if i]
     faults_file = args.run_dir / FAULTS_FILE
     events = faults_from_file(faults_file).events if faults_file.exists() else ()
     plan = FaultPlan(events, args.run_dir, process, skip) if events else None
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
+    rank = int(os.environ.get("RANK", "0"))  # a rank of a torchrun group (a site of several ranks)
+    log = setup_logging(process if rank == 0 or args.role != "site" else f"{process} rank {rank}", json=cfg.logging.json)
+    metrics = MetricsConfig(port=args.metrics_port, port_file=args.metrics_file)  # 127.0.0.1; port None: no /metrics
     if args.role == "coordinator":
         from diloco.app.coordinator import CoordinatorOptions, run_coordinator
 
-        opts = CoordinatorOptions(host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir)
+        opts = CoordinatorOptions(
+            host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir, metrics=metrics,
+            status=StatusConfig(port=args.status_port, port_file=args.status_file),  # 127.0.0.1; port None: no page
+        )  # fmt: skip
         run_coordinator(cfg, opts, args.run_dir, log=log, attach=coordinator_hooks(plan) if plan else None)
     elif args.role == "site":
         from diloco.app.site import SiteOptions, run_site
 
         # A site of several ranks: faults are injected into its leader (rank 0); a killed rank
         # takes its torchrun group down with it, and the simulator starts the group again.
-        leader = int(os.environ.get("RANK", "0")) == 0
+        leader = rank == 0
         faults = SiteFaults(plan, int(args.site_id), seed=cfg.seed, incarnation=args.incarnation) if plan and leader else None
         # device=cuda: the simulated sites take the visible GPUs in turn (several may share one).
         gpu = int(args.site_id) if args.site_id.isdigit() else None
         opts = SiteOptions(
             site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, incarnation=args.incarnation,
-            checkpoint_dir=args.checkpoint_dir, gpu=gpu,
+            checkpoint_dir=args.checkpoint_dir, gpu=gpu, metrics=metrics,
         )  # fmt: skip
         run_site(cfg, opts, args.run_dir, log=log, hooks=faults)
     else:

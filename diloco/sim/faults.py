@@ -41,6 +41,7 @@ from typing import Any
 
 from diloco.codec import get_codec
 from diloco.errors import RemoteError
+from diloco.io import read_jsonl_tolerant
 
 KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site", "poison_push")
 _PHASES = {"kill_site": ("inner", "push", "pull"), "kill_coordinator": ("between", "mid")}
@@ -148,16 +149,7 @@ FIRED_FILE = "faults.jsonl"
 
 def read_fired(run_dir: Path) -> list[dict[str, Any]]:
     """The events that fired so far (a line each; a torn last line of a killed writer is skipped)."""
-    path = run_dir / FIRED_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_jsonl_tolerant(run_dir / FIRED_FILE)
 
 
 class FaultPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,13 @@ from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_d
 from diloco.app import records
 from diloco.app.records import GlobalRecord, MetricsLine, ProgressRecord, Summary, WorkerRecord
 from diloco.io import read_jsonl, write_json_atomic
+from diloco.observe.logs import log_at
+from diloco.observe.config import check_port
+from diloco.observe.prom import check_port_free
+from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, read_positions
+from diloco.observe.status_page import access_hint
+from diloco.observe.rundata import PLOTS_DIR
+from diloco.observe.tensorboard import TB_DIR
 from diloco.security.store import write_run_credentials
 from diloco.sim.links import WanPlan, wan_plan
 from diloco.sim.wan import LinkSpec
@@ -85,6 +93,49 @@ def sim_wan(wan: Mapping[str, Any] | None, site_wan: Any, cfg: RunConfig) -> Wan
     return plan
 
 
+PROM_DIR = "prometheus"  # <run dir>/prometheus/<process>.json: where each process serves /metrics
+
+
+def sim_metrics(d: Mapping[str, Any] | None, cfg: RunConfig) -> int | None:
+    """The ``metrics`` section of a simulation: the coordinator's /metrics port (0: any free
+    one; None: no process serves /metrics; the baselines have none). ConfigError naming the
+    field; a port something listens on already is refused here, before any process starts."""
+    d = dict(d or {})
+    unknown = sorted(set(d) - {"port"})
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join('metrics.' + k for k in unknown)}; known: port")
+    port = d.get("port")
+    try:
+        check_port(port, "metrics.port")
+        if port:
+            check_port_free("127.0.0.1", port)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return port if cfg.mode == "diloco" else None
+
+
+STATUS_FILE = "status_page.json"  # <run dir>/status_page.json: where the coordinator serves its status page
+
+
+def sim_status(d: Mapping[str, Any] | None, cfg: RunConfig) -> int | None:
+    """The ``status`` section of a simulation: the port of the coordinator's status page (0: any
+    free one; None: none; the baselines have none). ConfigError naming the field; a port in
+    use is refused here, before any process starts."""
+    d = dict(d or {})
+    unknown = sorted(set(d) - {"port"})
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join('status.' + k for k in unknown)}; known: port")
+    port = d.get("port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"status.port={port!r}: must be null (no status page), 0 (any free port) or a port in 1..65535")
+    try:
+        if port:
+            check_port_free("127.0.0.1", port, field="status.port")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return port if cfg.mode == "diloco" else None
+
+
 def run_simulation(
     cfg: RunConfig,
     run_dir: Path,
@@ -95,8 +146,22 @@ def run_simulation(
     faults: FaultsConfig | Mapping[str, Any] | None = None,
     credentials: bool = True,
     wan: WanPlan | None = None,
+    plots: bool = True,
+    metrics_port: int | None = None,
+    status_port: int | None = None,
+    live: ProgressConfig | None = None,
 ) -> dict[str, Any]:
     """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
+
+    ``status_port``: the coordinator serves its read-only status page there (0: any free port),
+    with the run's security settings, and writes its address to run_dir/status_page.json; None:
+    no page. ``live``: a progress bar (or plain lines) of the open round's inner steps across
+    the sites (mode=diloco), shown with ``progress``'s lines; None: none
+    (docs/observability.md).
+
+    ``metrics_port``: the coordinator serves Prometheus /metrics there (0: any free port) and
+    each site on a free port of its own; each writes its address to run_dir/prometheus/
+    <process>.json (docs/observability.md). None: no /metrics.
 
     ``faults``: what to inject into the processes (a FaultsConfig, or its plain data).
 
@@ -107,6 +172,9 @@ def run_simulation(
     ``wan``: the emulated links (diloco.sim.links.wan_plan): every site then reaches the
     coordinator through its own port of a WAN emulator process, which shapes the real byte
     streams (bandwidth, RTT, jitter); None: loopback as it is.
+
+    ``plots``: draw the run's plots into run_dir/plots at the end (diloco.observe.plots); a
+    plot that fails is logged and changes nothing else.
 
     ``resume``: go on with the (stopped or crashed) run in ``run_dir``: its config must be
     ``cfg``; the coordinator resumes from its checkpoint, every site from its own, and the
@@ -131,16 +199,31 @@ def run_simulation(
     # SIGTERM must unwind through the finally below, which stops every child.
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if threading.current_thread() is threading.main_thread() else None
     common = ["--config", str(config_path), "--run-dir", str(run_dir)]
+    shown = _live_progress(cfg, live, say)
     try:
-        _start_processes(cfg, run_dir, common, procs, start, say, wan)
-        _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=say)
+        _start_processes(cfg, run_dir, common, procs, start, shown.say, wan, metrics_port, status_port)
+        _supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=shown.say, live=shown)
     finally:
+        shown.close()
         _stop_all(procs)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     summary = _summarize(cfg, run_dir, wall_s=time.monotonic() - start, wan=wan)
     write_json_atomic(run_dir / "summary.json", summary)
+    if plots:
+        _plot(run_dir, say)
     return summary
+
+
+def _plot(run_dir: Path, say: Callable[[str], None]) -> None:
+    """The run's plots; whatever goes wrong is logged, never raised: the run is done and written."""
+    try:
+        from diloco.observe.plots import plot_run  # matplotlib: only now
+
+        plot_run(run_dir)
+        say(f"plots: {run_dir / PLOTS_DIR}")
+    except Exception as e:  # noqa: BLE001 - a plot must never fail or lose a finished run
+        log_at(say, logging.WARNING, f"plots not made ({type(e).__name__}: {e}); the run's results are complete")
 
 
 def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume: bool) -> Path:
@@ -148,14 +231,15 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume
     config and fault files every process reads; returns the config file."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
-    for stale in ("global.json", "summary.json", "coordinator.port.json"):
+    for stale in ("global.json", "summary.json", "coordinator.port.json", STATUS_FILE):
         (run_dir / stale).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / PROM_DIR, ignore_errors=True)  # the addresses of processes gone
     if resume:
         _check_resumable(cfg, run_dir)
     else:
         for stale in ("metrics.jsonl", FIRED_FILE):
             (run_dir / stale).unlink(missing_ok=True)
-        for stale_dir in ("checkpoints", "progress", "workers", "logs", CREDENTIALS_DIR):
+        for stale_dir in ("checkpoints", "progress", "workers", "logs", PLOTS_DIR, TB_DIR, CREDENTIALS_DIR):
             shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
     write_json_atomic(config_path, run_config_to_dict(cfg))
     write_json_atomic(run_dir / FAULTS_FILE, faults_to_dict(faults))
@@ -163,10 +247,15 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume
 
 
 def _start_processes(
-    cfg: RunConfig, run_dir: Path, common: list[str], procs: list[_Proc], start: float, say: Callable[[str], None], wan: WanPlan | None = None
-) -> None:
+    cfg: RunConfig, run_dir: Path, common: list[str], procs: list[_Proc], start: float, say: Callable[[str], None], wan: WanPlan | None = None,
+    metrics_port: int | None = None, status_port: int | None = None,
+) -> None:  # fmt: skip
     """Starts the run's processes, appending each to ``procs`` as it starts (so that the caller
     stops every one of them, whatever fails here)."""
+
+    def metrics(process: str, port: int) -> list[str]:
+        return [] if metrics_port is None else ["--metrics-port", str(port), "--metrics-file", str(run_dir / PROM_DIR / f"{process}.json")]
+
     base = [sys.executable, "-m", "diloco.sim.child"]
     if cfg.mode == "diloco":
         port_file = run_dir / "coordinator.port.json"
@@ -175,7 +264,9 @@ def _start_processes(
             site_port_files = _start_wan(wan, run_dir, port_file, procs, deadline=start + 60)
             say(f"WAN emulation: {_describe_wan(wan)}")
         # Checkpoints every round: a coordinator killed by a fault resumes from them.
-        coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator")]
+        coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator"), *metrics("coordinator", metrics_port or 0)]
+        if status_port is not None:
+            coordinator += ["--status-port", str(status_port), "--status-file", str(run_dir / STATUS_FILE)]
         procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
         # The sites start at the same time (importing torch, building the model and the
         # data take most of a start) and connect once the coordinator's port file exists.
@@ -183,7 +274,7 @@ def _start_processes(
             ranks = cfg.layout_of(s).ranks
             # A site of several ranks is a torchrun group, as in a real run.
             launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
-            site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(site_port_files[str(s)]), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}")]
+            site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(site_port_files[str(s)]), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}"), *metrics(f"site-{s}", 0)]
             # Behind the emulator, sites yield the cores to it: its deliveries (the links' RTT)
             # must not wait for a training step (docs/wan.md).
             procs.append(_start(f"site {s}", site, run_dir, _next_incarnation(run_dir, f"site {s}"), _fired_events(run_dir), nice=SITE_NICE if wan else 0))
@@ -191,6 +282,16 @@ def _start_processes(
         port = _wait_port(port_file, coordinator_proc, deadline=start + 120)
         coordinator_proc.cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call
         say(f"coordinator on 127.0.0.1:{port}; {cfg.sites} site(s) started")
+        if metrics_port is not None:
+            # Written before the port file; a restarted coordinator serves /metrics where it did.
+            where = json.loads((run_dir / PROM_DIR / "coordinator.json").read_text())
+            coordinator_proc.cmd += ["--metrics-port", str(where["port"])]
+            say(f"Prometheus metrics: coordinator {where['url']}; each site's address in {run_dir / PROM_DIR}/site-<id>.json")
+        if status_port is not None:
+            # Written before the port file; a restarted coordinator serves the page where it did.
+            page = json.loads((run_dir / STATUS_FILE).read_text())
+            coordinator_proc.cmd += ["--status-port", str(page["port"])]
+            say(f"status page: {page['url']}{access_hint(cfg.security)} (address in {run_dir / STATUS_FILE})")
     else:
         init_file = run_dir / "pg_init"
         init_file.unlink(missing_ok=True)
@@ -350,7 +451,15 @@ def _is_torchrun(cmd: list[str]) -> bool:
     return "torch.distributed.run" in cmd
 
 
-def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: float, say: Callable[[str], None]) -> None:
+def _live_progress(cfg: RunConfig, live: ProgressConfig | None, say: Callable[[str], None]) -> LiveProgress:
+    """The run's progress bar (or plain lines): the open round's inner steps across the sites
+    (mode=diloco: the baselines' ranks write no progress files)."""
+    schedule = cfg.schedule
+    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=cfg.sites, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds)
+    return LiveProgress(live if live is not None and cfg.mode == "diloco" else OFF, say, tracker, label="sites")
+
+
+def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: float, say: Callable[[str], None], live: LiveProgress | None = None) -> None:
     shown = 0
     handled = 0  # fired fault events already read
     kills: list[dict[str, Any]] = []  # planned kills whose process has not been seen dead yet
@@ -386,6 +495,8 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
         for line in lines[shown:]:
             say(_progress_line(line, cfg))
         shown = len(lines)
+        if live is not None and live.enabled:
+            live.update(shown, read_positions(run_dir / "progress"))  # the open round's inner steps
         if all(p.service or p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs):
             return
         if time.monotonic() > deadline:

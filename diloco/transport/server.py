@@ -12,6 +12,8 @@ import grpc
 from diloco.errors import CoordinatorError
 from diloco.security.config import SecurityConfig
 from diloco.transport import serde
+from diloco.transport.health import Health, enable_reflection
+from diloco.transport.observed import CallObserver, observe_handler
 from diloco.transport.limits import MAX_MESSAGE_BYTES, PerSite, ServerLimits, StreamWatch
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
@@ -176,9 +178,10 @@ class _Handlers:
         self.service, self.handlers = service, dict(handlers)
 
 
-def _register(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+def _register(servicer: CoordinatorServicer, server: grpc.Server, observer: CallObserver | None = None) -> None:
     """The generated registration, with the pulls' responses written by ``_serializer`` and
-    the pushes' chunks read by ``serde.push_message_from_wire``."""
+    the pushes' chunks read by ``serde.push_message_from_wire``; every call told to
+    ``observer`` (diloco.transport.observed) when there is one."""
     kept = _Handlers()
     pb_grpc.add_CoordinatorServicer_to_server(servicer, kept)
     handlers = kept.handlers
@@ -186,19 +189,27 @@ def _register(servicer: CoordinatorServicer, server: grpc.Server) -> None:
         handlers[name] = handlers[name]._replace(request_deserializer=serde.push_message_from_wire)
     handlers["PullUpdate"] = handlers["PullUpdate"]._replace(response_serializer=_serializer(serde.chunk_to_wire))
     handlers["PullGlobal"] = handlers["PullGlobal"]._replace(response_serializer=_serializer(serde.global_chunk_to_wire))
+    if observer is not None:
+        handlers = {name: observe_handler(name, h, observer) for name, h in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(kept.service, handlers),))
     server.add_registered_method_handlers(kept.service, handlers)
 
 
 class Server:
-    """The running gRPC server and its stream watch; ``stop`` stops both."""
+    """The running gRPC server, its stream watch and its health service; ``stop`` stops them."""
 
-    def __init__(self, server: grpc.Server, watch: StreamWatch) -> None:
+    def __init__(self, server: grpc.Server, watch: StreamWatch, health: Health) -> None:
         self._server = server
         self.watch = watch
+        self.health = health
+
+    def set_serving(self, serving: bool) -> None:
+        """What the health service answers: SERVING, or NOT_SERVING (diloco.transport.health)."""
+        self.health.set_serving(serving)
 
     def stop(self, grace: float | None) -> object:
         """Stops serving (``grace`` seconds for calls in flight); returns grpc's stopped event."""
+        self.health.shutdown()
         self.watch.close()
         return self._server.stop(grace)
 
@@ -210,9 +221,14 @@ def serve(
     *,
     security: SecurityConfig | None = None,
     limits: ServerLimits | None = None,
+    observer: CallObserver | None = None,
+    serving: bool = True,
+    reflection: bool = False,
 ) -> tuple[Server, int]:
     """Starts a gRPC server for ``coordinator``; returns it and the bound port (port 0: any
-    free). ``security``: the run's credentials (None: plaintext, loopback only)."""
+    free). ``security``: the run's credentials (None: plaintext, loopback only); ``observer``:
+    told of every call (diloco.transport.observed); ``serving``: the health service's first
+    answer; ``reflection``: serve gRPC server reflection too (diloco.transport.health)."""
     security = security or SecurityConfig()
     limits = limits or ServerLimits()
     credentials, auth = server_side(security, host)
@@ -226,11 +242,15 @@ def serve(
         ],
     )
     watch = StreamWatch(limits.stream_idle_s, limits.stream_max_s)
-    _register(CoordinatorServicer(coordinator, auth, limits, watch), server)
+    _register(CoordinatorServicer(coordinator, auth, limits, watch), server, observer)
+    health = Health(serving)
+    health.register(server)
+    if reflection:
+        enable_reflection(server)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:
         watch.close()
         raise OSError(f"could not bind the coordinator to {address}")
     server.start()
-    return Server(server, watch), bound
+    return Server(server, watch, health), bound

@@ -13,7 +13,7 @@ from diloco.wire import encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.wire.fingerprint import fingerprint
 from diloco.outer import OuterConfig
-from diloco.transport import CoordinatorClient, RemoteError, serve
+from diloco.transport import CoordinatorClient, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.types import Chunk, PushHeader, TensorSpec

@@ -20,7 +20,7 @@ from diloco.security.certs import Pem, issue_site, make_ca
 from diloco.security.config import SecurityConfig, is_loopback
 from diloco.security.store import RunCredentials, add_sites, write_run_credentials
 from diloco.security.tokens import new_token
-from diloco.transport import CoordinatorClient, RemoteError, serve
+from diloco.transport import CoordinatorClient, serve
 from diloco.types import PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint

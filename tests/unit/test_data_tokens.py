@@ -321,19 +321,19 @@ def test_sampler_rejects_bad_shard_and_too_small_shards(tmp_path: Path) -> None:
 def test_hydra_config_with_tokens_becomes_a_run_config(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_module
 
-    from diloco.cli.common import run_config
+    from diloco.cli.common import SECTIONS, run_config
     from diloco.app.config import ConfigError
 
     path = write_tokens(tmp_path / "tokens.bin", np.arange(200_000) % 512, "uint16")
     overrides = ["data.format=tokens", f"data.path='{path}'", "data.dtype=uint16", "data.vocab_size=512", "+model.vocab_size=512"]
     with initialize_config_module("diloco.conf", version_base=None):
-        cfg = run_config(compose(config_name="sim", overrides=overrides), ("sim", "faults", "wan", "site_wan"))
-        plain = run_config(compose(config_name="sim"), ("sim", "faults", "wan", "site_wan"))
+        cfg = run_config(compose(config_name="sim", overrides=overrides), SECTIONS["sim"])
+        plain = run_config(compose(config_name="sim"), SECTIONS["sim"])
         # A model whose embedding cannot hold every token id of the data is refused, naming both.
         with pytest.raises(ConfigError, match=r"model.vocab_size=256: .*smaller than the data's vocabulary, data.vocab_size=512"):
-            run_config(compose(config_name="sim", overrides=overrides[:-1]), ("sim", "faults", "wan", "site_wan"))
+            run_config(compose(config_name="sim", overrides=overrides[:-1]), SECTIONS["sim"])
         with pytest.raises(ConfigError, match="data.path is required for data.format=tokens"):
-            run_config(compose(config_name="sim", overrides=["data.format=tokens", "data.dtype=uint16", "data.vocab_size=512"]), ("sim", "faults", "wan", "site_wan"))
+            run_config(compose(config_name="sim", overrides=["data.format=tokens", "data.dtype=uint16", "data.vocab_size=512"]), SECTIONS["sim"])
     assert (cfg.data.format, cfg.data.path, cfg.data.dtype, cfg.data.vocab_size) == ("tokens", str(path), "uint16", 512)
     assert cfg.data.vocab == 512
     assert (plain.data.format, plain.data.dtype, plain.data.vocab_size, plain.data.vocab) == ("bytes", None, None, 256)

@@ -264,14 +264,14 @@ def test_every_kind_survives_the_trip_through_json(model: dict) -> None:
 def test_hydra_composes_each_kind() -> None:
     from hydra import compose, initialize_config_module
 
-    from diloco.cli.common import run_config
+    from diloco.cli.common import SECTIONS, run_config
 
     with initialize_config_module("diloco.conf", version_base=None):
-        custom = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}", "model.kwargs={hidden:16,context:64}", "model.context=64"]), ("sim", "faults", "wan", "site_wan"))
-        bare = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}"]), ("sim", "faults", "wan", "site_wan"))
-        hf = run_config(compose("sim", overrides=["model=hf"]), ("sim", "faults", "wan", "site_wan"))
-        hf_wider = run_config(compose("sim", overrides=["model=hf", "model.config.hidden_size=128"]), ("sim", "faults", "wan", "site_wan"))
-        base = run_config(compose("sim", overrides=["model=base"]), ("sim", "faults", "wan", "site_wan"))
+        custom = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}", "model.kwargs={hidden:16,context:64}", "model.context=64"]), SECTIONS["sim"])
+        bare = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}"]), SECTIONS["sim"])
+        hf = run_config(compose("sim", overrides=["model=hf"]), SECTIONS["sim"])
+        hf_wider = run_config(compose("sim", overrides=["model=hf", "model.config.hidden_size=128"]), SECTIONS["sim"])
+        base = run_config(compose("sim", overrides=["model=base"]), SECTIONS["sim"])
     assert custom.model == CustomModelConfig(factory=MLP, kwargs={"hidden": 16, "context": 64}, context=64)
     assert bare.model == CustomModelConfig(factory=MLP)
     assert isinstance(hf.model, HFModelConfig) and hf.model.config["model_type"] == "llama"

@@ -1,0 +1,78 @@
+"""The settings of TensorBoard (a run key: every process of a run writes or none does) and of
+a process's Prometheus endpoint (each process its own: the coordinator's and each site's
+``metrics`` section). Every check names the field it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+MAX_PORT = 65535
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """``enabled``: the coordinator writes <run dir>/tb/coordinator (one point per committed
+    round), each site <run dir>/tb/site-<id> (per inner step and per round)."""
+
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"tensorboard.enabled={self.enabled!r}: must be true or false")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """One process's Prometheus endpoint (``GET /metrics``, prometheus_client's HTTP server).
+
+    ``port``: None, no endpoint; 0, any free port (logged, and written to ``port_file``); a
+    port already in use fails the start naming it. ``host``: the address it listens on.
+    ``port_file``: where {"host", "port", "url"} of the endpoint is written as JSON."""
+
+    port: int | None = None
+    host: str = "127.0.0.1"
+    port_file: str | None = None
+
+    def __post_init__(self) -> None:
+        check_endpoint("metrics", self.port, self.host, self.port_file, off="no /metrics")
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None
+
+
+def check_port(port: Any, field: str, off: str = "no /metrics") -> None:
+    """None (off) or an integer port in 0..65535 (0: any free one)."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise ValueError(f"{field}={port!r}: must be null ({off}), 0 (any free port) or a port in 1..{MAX_PORT}")
+
+
+def check_endpoint(name: str, port: Any, host: Any, port_file: Any, off: str) -> None:
+    """The checks of an HTTP endpoint's section ``name`` (port, host, port_file), naming the field."""
+    check_port(port, f"{name}.port", off)
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError(f"{name}.host={host!r}: must be a host name or address (127.0.0.1: this machine only)")
+    if port_file is not None and (not isinstance(port_file, str) or not port_file):
+        raise ValueError(f"{name}.port_file={port_file!r}: must be null or a file path")
+
+
+def parse_section(cls: type[T], name: str, values: Mapping[str, Any] | None, **extra: Any) -> T:
+    """The section ``name`` (plain data, plus ``extra``) as the dataclass ``cls``; unknown keys
+    are named with the ones it knows."""
+    values = {**dict(values or {}), **extra}
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(name + '.' + k for k in unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def metrics_config(values: Mapping[str, Any] | None, **extra: Any) -> MetricsConfig:
+    """The ``metrics`` section (plain data) as a MetricsConfig; unknown keys are named."""
+    return parse_section(MetricsConfig, "metrics", values, **extra)
