@@ -43,6 +43,7 @@ class CoordinatorOptions:
     port: int = 50051  # 0: any free port (written to port_file)
     min_sites: int | None = None  # sites a round waits for; default: quorum.min_sites, else a majority of the sites
     linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
+    sites_done_file: str | None = None  # once this file exists (the simulator's: every site process has exited), no linger
     port_file: str | None = None
     checkpoint_dir: str | None = None  # checkpoint every round there; resume from it on start
     max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
@@ -67,7 +68,7 @@ def run_coordinator(
     limit_malloc_arenas()  # memory must not grow with the number of sites (see diloco/io.py)
     run_dir.mkdir(parents=True, exist_ok=True)
     # TensorBoard and /metrics (docs/observability.md); a metrics port in use fails here, first.
-    observer = CoordinatorObserver.start(cfg.tensorboard, opts.metrics, run_dir, log)
+    observer = CoordinatorObserver.start(cfg.tensorboard, opts.metrics, run_dir, log, cfg.security)
     page: StatusPage | None = None
     try:
         # The status page (a port in use fails here too); it shows the coordinator once built.
@@ -123,7 +124,7 @@ def _serve_run(
         log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.sync_rounds} rounds{_fragments(cfg)}, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}")
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
-        _wait_until_done(coordinator, opts.linger_s, log, failed)
+        _wait_until_done(coordinator, opts.linger_s, log, failed, Path(opts.sites_done_file) if opts.sites_done_file else None)
         reporter.close()
         if reporter.final_eval_loss is None and coordinator.finished and evaluate is not None:
             # The last round was committed by a predecessor that was killed before evaluating.
@@ -204,15 +205,19 @@ class CoordinatorFailed(RuntimeError):
     non-zero so that its supervisor restarts it from the last checkpoint."""
 
 
-def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[str], None], failed: threading.Event) -> None:
+def _wait_until_done(coordinator: Coordinator, linger_s: float, log: Callable[[str], None], failed: threading.Event, sites_done: Path | None = None) -> None:
     """Until every site has left after the last round (an evicted one, cut off near the end,
-    may still come back for θ), or ``linger_s`` after it. Raises CoordinatorFailed as soon as
-    the coordinator has failed."""
+    may still come back for θ), or ``linger_s`` after it, or, after the last round, once the
+    file ``sites_done`` exists (the simulator's word that no site process is left to come
+    back). Raises CoordinatorFailed as soon as the coordinator has failed."""
     finished_at: float | None = None
     while not coordinator.wait_all_left(timeout_s=0.5):
         if failed.is_set():
             raise CoordinatorFailed(str(coordinator.failed))
         if coordinator.finished:
+            if sites_done is not None and sites_done.exists():
+                log("every site process has exited (the simulator says so); not waiting for the sites that did not leave")
+                return
             finished_at = finished_at or time.monotonic()
             if time.monotonic() - finished_at > linger_s:
                 log_at(log, logging.WARNING, f"not every site left within {linger_s:.0f}s after the last round; stopping anyway")

@@ -214,6 +214,7 @@ RUN_FILES: tuple[RunFile, ...] = (
     RunFile("global.json", "the coordinator's report", GlobalRecord, "the coordinator (ddp/single: rank 0)"),
     RunFile("workers/<id>.json", "one per site (or rank)", WorkerRecord, "each site / rank"),
     RunFile("progress/<site>.<incarnation>.json", "tokens a site process trained so far, and its round and step", ProgressRecord, "each site process"),
+    RunFile("sites_done", "empty; exists once every site process has exited, so that the coordinator stops waiting for sites to leave", None, "diloco-sim"),
     RunFile("status_page.json", "where the coordinator serves its status page: {host, port, url, tls, client_certificate, token} (diloco-sim's status.port)", None, "the coordinator"),
     RunFile("summary.json", "the run's summary", Summary, "diloco-sim"),
     RunFile("faults.json", "the fault events to inject (the `faults` section of diloco-sim)", None, "diloco-sim"),

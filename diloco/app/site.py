@@ -164,7 +164,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     if cfg.compile and layout.forward_backward is None:
         layout.model.compile()  # in place: torch.compile(m) would rename every parameter "_orig_mod.…"
     # TensorBoard and /metrics, from the leader rank (docs/observability.md); a metrics port in use fails here.
-    observer = SiteObserver.start(opts.site_id, cfg.tensorboard, opts.metrics, run_dir, log) if layout.leader else SiteObserver()
+    observer = SiteObserver.start(opts.site_id, cfg.tensorboard, opts.metrics, run_dir, log, cfg.security) if layout.leader else SiteObserver()
     live = _live_progress(cfg, opts, layout.leader, log)
     log = live.say  # log lines go above a progress bar
     site = _Site(cfg, opts, run_dir, log, hooks, layout, sampler, corpus, observer)

@@ -10,7 +10,8 @@ from typing import Any
 
 from diloco.observe.config import MetricsConfig, TensorBoardConfig
 from diloco.observe.coordinator_metrics import CoordinatorMetrics
-from diloco.observe.prom import MetricsEndpoint, serve_metrics
+from diloco.observe.prom import MetricsEndpoint, metrics_tls, serve_metrics
+from diloco.security.config import SecurityConfig
 from diloco.observe.tensorboard import RunBoard, board_dir
 
 
@@ -31,13 +32,16 @@ class CoordinatorObserver:
         self.board, self.metrics, self.endpoint = board, metrics, endpoint
 
     @classmethod
-    def start(cls, tensorboard: TensorBoardConfig, metrics: MetricsConfig, run_dir: Path, log: Callable[[str], None]) -> CoordinatorObserver:
+    def start(
+        cls, tensorboard: TensorBoardConfig, metrics: MetricsConfig, run_dir: Path, log: Callable[[str], None], security: SecurityConfig | None = None
+    ) -> CoordinatorObserver:
         """The endpoint first (a port in use fails here, before anything slow), then the board,
         which goes on from the lines metrics.jsonl already holds (a restarted coordinator)."""
         coordinator_metrics = endpoint = None
         if metrics.enabled:
             coordinator_metrics = CoordinatorMetrics()
-            endpoint = serve_metrics(coordinator_metrics.registry, metrics.host, int(metrics.port or 0))
+            tls = metrics_tls(security or SecurityConfig(), metrics.host, "coordinator")
+            endpoint = serve_metrics(coordinator_metrics.registry, metrics.host, int(metrics.port or 0), tls)
             if metrics.port_file:
                 endpoint.write(Path(metrics.port_file))
             log(f"coordinator: Prometheus metrics on {endpoint.url}")

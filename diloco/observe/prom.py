@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco.io import write_json_atomic
+from diloco.security.config import SecurityConfig, is_loopback
+from diloco.security.store import RunCredentials
 
 # Seconds, for calls and commits that take from milliseconds (a tiny model on loopback) to
 # minutes (a large model over a slow link).
@@ -25,6 +27,39 @@ class MetricsEndpointError(ValueError):
     """The endpoint cannot listen where it was told to; the message names the field and port."""
 
 
+@dataclass(frozen=True)
+class MetricsTLS:
+    """/metrics over HTTPS: the server's certificate and key, and the CA whose client
+    certificate a scraper must show (None: none asked)."""
+
+    certfile: str
+    keyfile: str
+    client_cafile: str | None = None
+
+
+def metrics_tls(security: SecurityConfig, host: str, process: str) -> MetricsTLS | None:
+    """How ``process``'s /metrics on ``host`` is served under the run's security settings.
+
+    On loopback: plain HTTP (this machine's users only). Off loopback: the coordinator serves
+    HTTPS with its own certificate when the run has TLS credentials, and asks every scraper
+    for a client certificate of the run CA, whatever ``security.auth`` (prometheus_client's
+    server checks no bearer token; Prometheus: ``tls_config`` with a site's certificate and
+    key); plain HTTP only with ``security.insecure=true``. A site has no server
+    certificate: off loopback, plain HTTP with ``security.insecure=true`` or nothing.
+    MetricsEndpointError naming ``metrics.host`` where none of these applies."""
+    if is_loopback(host):
+        return None
+    if process == "coordinator" and security.dir is not None and security.tls:
+        creds = RunCredentials.at(security.dir)
+        creds.coordinator_pem()  # a missing or bad file is named here
+        creds.ca_pem()
+        return MetricsTLS(str(creds.coordinator_cert), str(creds.coordinator_key), str(creds.ca_cert))
+    if security.insecure:
+        return None
+    why = "the coordinator's needs the run's TLS credentials (security.dir)" if process == "coordinator" else "a site has no server certificate"
+    raise MetricsEndpointError(f"metrics.host={host}: /metrics off loopback would be plain HTTP ({why}); keep it on 127.0.0.1, or set security.insecure=true")
+
+
 @dataclass
 class MetricsEndpoint:
     """A running /metrics endpoint; ``close`` stops it."""
@@ -33,11 +68,12 @@ class MetricsEndpoint:
     port: int
     _server: Any
     _thread: Any
+    tls: bool = False
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/metrics"
 
     def write(self, path: Path) -> None:
         """Writes {"host", "port", "url"} to ``path`` (JSON, atomically): where to scrape."""
@@ -72,18 +108,22 @@ def check_port_free(host: str, port: int, field: str = "metrics.port") -> None:
             raise MetricsEndpointError(f"{field}={port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def serve_metrics(registry: Any, host: str, port: int) -> MetricsEndpoint:
+def serve_metrics(registry: Any, host: str, port: int, tls: MetricsTLS | None = None) -> MetricsEndpoint:
     """Starts prometheus_client's HTTP server for ``registry`` on ``host``:``port`` (0: any
-    free port); MetricsEndpointError naming the port when it is taken or the host unusable."""
+    free port), over HTTPS with ``tls``; MetricsEndpointError naming the port when it is taken
+    or the host unusable."""
     from prometheus_client import start_http_server
 
+    https: dict[str, Any] = {}
+    if tls is not None:
+        https = {"certfile": tls.certfile, "keyfile": tls.keyfile, "client_cafile": tls.client_cafile, "client_auth_required": tls.client_cafile is not None}
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server, thread = start_http_server(port, addr=host, registry=registry, **https)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise in_use(port, host=host) from None
         raise MetricsEndpointError(f"metrics.host={host}, metrics.port={port}: cannot listen there: {e.strerror or e}") from None
-    return MetricsEndpoint(host, int(server.server_address[1]), server, thread)
+    return MetricsEndpoint(host, int(server.server_address[1]), server, thread, tls=tls is not None)
 
 
 class LiveCounter:

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from diloco.observe.config import MetricsConfig, TensorBoardConfig
-from diloco.observe.prom import MetricsEndpoint, serve_metrics
+from diloco.observe.prom import MetricsEndpoint, metrics_tls, serve_metrics
 from diloco.observe.site_metrics import SiteMetrics
 from diloco.observe.tensorboard import SiteBoard, board_dir
+from diloco.security.config import SecurityConfig
 
 
 class SiteObserver:
@@ -24,12 +25,15 @@ class SiteObserver:
         self._first: float | None = None  # when the first inner step began (monotonic)
 
     @classmethod
-    def start(cls, site_id: str, tensorboard: TensorBoardConfig, metrics: MetricsConfig, run_dir: Path, log: Callable[[str], None]) -> SiteObserver:
+    def start(
+        cls, site_id: str, tensorboard: TensorBoardConfig, metrics: MetricsConfig, run_dir: Path, log: Callable[[str], None], security: SecurityConfig | None = None
+    ) -> SiteObserver:
         """The endpoint first (a port in use fails here, before any training), then the board."""
         site_metrics = endpoint = None
         if metrics.enabled:
             site_metrics = SiteMetrics(site_id)
-            endpoint = serve_metrics(site_metrics.registry, metrics.host, int(metrics.port or 0))
+            tls = metrics_tls(security or SecurityConfig(), metrics.host, "site")  # None: a site has no server certificate
+            endpoint = serve_metrics(site_metrics.registry, metrics.host, int(metrics.port or 0), tls)
             if metrics.port_file:
                 endpoint.write(Path(metrics.port_file))
             log(f"site {site_id}: Prometheus metrics on {endpoint.url}")

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-file", help="with --metrics-port: write where /metrics is served there (JSON)")
     p.add_argument("--status-port", type=int, default=None, help="coordinator: serve the status page on this port (0: any free one)")
     p.add_argument("--status-file", help="with --status-port: write where the status page is served there (JSON)")
+    p.add_argument("--sites-done-file", help="coordinator: after the last round, stop waiting for sites once this file exists")
     args = p.parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A rank started by torchrun for the simulator: die with torchrun, as torchrun dies
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = CoordinatorOptions(
             host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir, metrics=metrics,
             status=StatusConfig(port=args.status_port, port_file=args.status_file),  # 127.0.0.1; port None: no page
+            sites_done_file=args.sites_done_file,
         )  # fmt: skip
         run_coordinator(cfg, opts, args.run_dir, log=log, attach=coordinator_hooks(plan) if plan else None)
     elif args.role == "site":

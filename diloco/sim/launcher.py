@@ -114,6 +114,7 @@ def sim_metrics(d: Mapping[str, Any] | None, cfg: RunConfig) -> int | None:
     return port if cfg.mode == "diloco" else None
 
 
+SITES_DONE_FILE = "sites_done"  # <run dir>/sites_done: touched once every site process has exited (the coordinator stops lingering)
 STATUS_FILE = "status_page.json"  # <run dir>/status_page.json: where the coordinator serves its status page
 
 
@@ -264,7 +265,11 @@ def _start_processes(
             site_port_files = _start_wan(wan, run_dir, port_file, procs, deadline=start + 60)
             say(f"WAN emulation: {_describe_wan(wan)}")
         # Checkpoints every round: a coordinator killed by a fault resumes from them.
-        coordinator = base + ["coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator"), *metrics("coordinator", metrics_port or 0)]
+        (run_dir / SITES_DONE_FILE).unlink(missing_ok=True)  # a resumed run's sites are about to start again
+        coordinator = base + [
+            "coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator"),
+            "--sites-done-file", str(run_dir / SITES_DONE_FILE), *metrics("coordinator", metrics_port or 0),
+        ]  # fmt: skip
         if status_port is not None:
             coordinator += ["--status-port", str(status_port), "--status-file", str(run_dir / STATUS_FILE)]
         procs.append(_start("coordinator", coordinator, run_dir, _next_incarnation(run_dir, "coordinator"), _fired_events(run_dir)))
@@ -497,8 +502,13 @@ def _supervise(procs: list[_Proc], run_dir: Path, cfg: RunConfig, deadline: floa
         shown = len(lines)
         if live is not None and live.enabled:
             live.update(shown, read_positions(run_dir / "progress"))  # the open round's inner steps
-        if all(p.service or p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs):
+        done = [p.service or p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs]
+        if all(done):
             return
+        if cfg.mode == "diloco" and all(d for p, d in zip(procs, done) if p.name != "coordinator"):
+            # No site is left to come back (killed for good, or left): the coordinator need not
+            # wait its linger_s for them after the last round.
+            (run_dir / SITES_DONE_FILE).touch()
         if time.monotonic() > deadline:
             running = ", ".join(p.name for p in procs if p.popen.poll() is None)
             raise SimError(f"the run did not finish before sim.timeout_s; still running: {running}")

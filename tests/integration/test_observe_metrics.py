@@ -8,7 +8,10 @@ without a site token), reflection behind its switch, and a metrics port in use r
 
 from __future__ import annotations
 
+import dataclasses
+import http.client
 import json
+import ssl
 import threading
 import time
 import urllib.error
@@ -351,3 +354,63 @@ def test_switched_off_nothing_is_written_or_served(tmp_path: Path) -> None:
         site.close()
     assert not (tmp_path / "tb").exists()
     assert run_config_from_dict({"tensorboard": {"enabled": False}}).tensorboard.enabled is False
+
+
+# ---- /metrics under the run's security settings -----------------------------------------
+
+
+def test_metrics_off_loopback_follow_the_runs_security(tmp_path: Path) -> None:
+    from diloco.observe.prom import MetricsTLS, metrics_tls
+
+    write_run_credentials(tmp_path / "creds", ["0"], hosts=["localhost", "127.0.0.1"], days=1, force=True)
+    store = RunCredentials.at(tmp_path / "creds")
+    run = SecurityConfig(dir=str(tmp_path / "creds"))
+    # On loopback: plain HTTP, whatever the run's settings.
+    for security in (SecurityConfig(), run):
+        assert metrics_tls(security, "127.0.0.1", "coordinator") is None and metrics_tls(security, "localhost", "site") is None
+    # Off loopback, the coordinator with credentials: HTTPS, a client certificate of the run CA asked even with token auth.
+    for auth in ("both", "mtls", "token"):
+        tls = metrics_tls(SecurityConfig(dir=str(tmp_path / "creds"), auth=auth), "0.0.0.0", "coordinator")
+        assert tls == MetricsTLS(str(store.coordinator_cert), str(store.coordinator_key), str(store.ca_cert))
+    # Without credentials, or for a site (no server certificate): refused, unless insecure says plain HTTP is fine.
+    for security, process in ((SecurityConfig(), "coordinator"), (run, "site"), (SecurityConfig(), "site")):
+        with pytest.raises(MetricsEndpointError, match=r"metrics.host=0.0.0.0: /metrics off loopback would be plain HTTP .*security.insecure=true"):
+            metrics_tls(security, "0.0.0.0", process)
+        assert metrics_tls(dataclasses.replace(security, insecure=True), "0.0.0.0", process) is None
+    missing = SecurityConfig(dir=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        metrics_tls(missing, "0.0.0.0", "coordinator")
+
+
+def test_metrics_over_https_need_a_client_certificate_of_the_run(tmp_path: Path) -> None:
+    from prometheus_client import Counter
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from diloco.observe.prom import MetricsTLS, new_registry
+
+    write_run_credentials(tmp_path / "creds", ["0"], hosts=["localhost", "127.0.0.1"], days=1, force=True)
+    write_run_credentials(tmp_path / "other", ["0"], hosts=["localhost", "127.0.0.1"], days=1, force=True)
+    store, other = RunCredentials.at(tmp_path / "creds"), RunCredentials.at(tmp_path / "other")
+    registry = new_registry()
+    Counter("diloco_test_rounds", "rounds", registry=registry).inc(3)
+    endpoint = serve_metrics(registry, "127.0.0.1", 0, MetricsTLS(str(store.coordinator_cert), str(store.coordinator_key), str(store.ca_cert)))
+    try:
+        assert endpoint.url == f"https://127.0.0.1:{endpoint.port}/metrics"
+
+        def context(client: RunCredentials | None) -> ssl.SSLContext:
+            ctx = ssl.create_default_context(cafile=str(store.ca_cert))
+            if client is not None:
+                files = client.site_files("0")
+                ctx.load_cert_chain(str(files.cert), str(files.key))
+            return ctx
+
+        with urllib.request.urlopen(endpoint.url, timeout=10, context=context(store)) as reply:
+            families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+        assert families["diloco_test_rounds"].samples[0].value == 3
+        for client in (None, other):  # no client certificate; one of another run's CA
+            with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+                urllib.request.urlopen(endpoint.url, timeout=10, context=context(client)).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(endpoint.url.replace("https", "http"), timeout=10).read()  # plain HTTP to a TLS port
+    finally:
+        endpoint.close()
