@@ -15,18 +15,31 @@ pytestmark = pytest.mark.timeout(300)
 
 # θ after 2 sites x 3 rounds x H=5 of model=tiny, seed 0, as the code before streaming landed
 # (commit e5c0e69, torch 2.13 CPU) computed it: fragments=1 and overlap_steps=0 must change nothing.
+# By the kernels torch picks for the CPU (torch.backends.cpu.get_cpu_capability()), whose last
+# bits differ: AVX2 recorded on CI's machines, AVX512 by running e5c0e69 itself on one.
 GOLDEN = {
-    "fp32": "12a01b6a9dfd9a973805d1d2dcc5701ca5df45e46eb83f487682d07ab87f3ada",
-    "int8": "2a55bab369bbacdf482b50109dd3c4beee6d3633d4292ff4a5307b41cb715327",
+    "AVX2": {
+        "fp32": "12a01b6a9dfd9a973805d1d2dcc5701ca5df45e46eb83f487682d07ab87f3ada",
+        "int8": "2a55bab369bbacdf482b50109dd3c4beee6d3633d4292ff4a5307b41cb715327",
+    },
+    "AVX512": {
+        "fp32": "124b8e3f24047be3e05090b6e9fca5b79c6415890e9d5f4e9f1ef7142b1700d3",
+        "int8": "2743767d7f01abc5dc72c0a881e8e79439ef5dce3716e1feb1d13915b9ec7662",
+    },
 }
 
 
-@pytest.mark.parametrize("codec", sorted(GOLDEN))
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_one_fragment_without_overlap_is_todays_diloco_bit_for_bit(tmp_path: Path, codec: str) -> None:
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in GOLDEN:
+        pytest.skip(f"no θ hash of commit e5c0e69 recorded for CPU capability {capability}: run that commit here and add it to GOLDEN")
     cfg = run_config_from_dict({"sites": 2, "sync_every": 5, "rounds": 3, "codec": codec, "fragments": 1, "overlap_steps": 0})
     summary = run_simulation(cfg, tmp_path / "run", progress=None)
     assert summary["hashes_equal"]
-    assert summary["global_sha256"] == GOLDEN[codec]
+    assert summary["global_sha256"] == GOLDEN[capability][codec]
 
 
 def _events(*events: str) -> str:
