@@ -67,7 +67,7 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     final_loss: float | None = None
     to_bpb = 1 / math.log(2) if cfg.data.format == "bytes" else None  # bits per byte only where tokens are bytes
     for r in range(cfg.rounds):
-        losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
+        losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.schedule.steps_of(r))]  # DiLoCo's blocks (sync_every_schedule)
         loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
         if distributed:
             dist.all_reduce(loss)
@@ -116,14 +116,15 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
 def _metrics_line(
     cfg: RunConfig, r: int, world_size: int, tokens_per_batch: int, grad_bytes_per_step: int, loss: float, eval_bpb: float | None, model: torch.nn.Module
 ) -> dict[str, Any]:
-    """One block of sync_every steps, in the same format as a DiLoCo round."""
+    """One block of sync_every steps (a DiLoCo round's), in the same format as a DiLoCo round."""
+    steps = cfg.schedule.steps_of(r)
     return {
         "round": r,
         "participants": [str(i) for i in range(world_size)],
-        "tokens": cfg.sync_every * tokens_per_batch * world_size,
-        "inner_steps": cfg.sync_every * world_size,
-        "bytes_up": grad_bytes_per_step * cfg.sync_every,
-        "bytes_down": grad_bytes_per_step * cfg.sync_every,
+        "tokens": steps * tokens_per_batch * world_size,
+        "inner_steps": steps * world_size,
+        "bytes_up": grad_bytes_per_step * steps,
+        "bytes_down": grad_bytes_per_step * steps,
         "train_loss": loss,
         "eval_bpb": eval_bpb,
         "update_norm": None,  # no outer update in the baselines

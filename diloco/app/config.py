@@ -96,6 +96,9 @@ class RunConfig:
     overlap_steps: int = 0  # τ: the site trains τ steps while a round is in flight, then merges it (τ < H/F)
     alpha: float | None = None  # the merge: local ← α·local + (1−α)·θ; None: 0.5 with overlap (Streaming DiLoCo's), else 0 (replace)
     merge: str = "alpha"  # alpha (the merge above) | delta: θ + the local steps trained since the push (docs/streaming.md)
+    # The H of the first rounds, growing to sync_every (e.g. [10, 25, 50] with sync_every=50):
+    # frequent syncs early; every site follows it by round number (blocking DiLoCo only).
+    sync_every_schedule: tuple[int, ...] | None = None
     outer_mode: str = "blocking"  # blocking | eager | delayed: eager/delayed overlap the whole sync with the next inner phase
     streams: int = 1  # connection striping: a site's push and pull each over this many concurrent streams (TCP connections)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # every process's log format: text lines, or JSON lines (logging.json)
@@ -150,6 +153,12 @@ class RunConfig:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise ConfigError(f"streams={self.streams!r}: must be an integer in 1..64")
+        if self.sync_every_schedule is not None:
+            if isinstance(self.sync_every_schedule, (str, bytes)) or not hasattr(self.sync_every_schedule, "__iter__"):
+                raise ConfigError(f"sync_every_schedule={self.sync_every_schedule!r}: must be a list of H values, e.g. [10, 25, {self.sync_every}]")
+            object.__setattr__(self, "sync_every_schedule", tuple(self.sync_every_schedule))
+            if len(self.sync_every_schedule) > self.rounds:
+                raise ConfigError(f"sync_every_schedule has {len(self.sync_every_schedule)} entries: longer than the run's {self.rounds} rounds")
         why = self.schedule.problem()
         if why is not None:
             raise ConfigError(why)
@@ -162,6 +171,10 @@ class RunConfig:
 
     def _check_combinations(self) -> None:
         """Fields that are fine alone but cannot work together."""
+        try:
+            self.outer.schedule.check_length(self.rounds)  # type: ignore[union-attr]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
             raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
         if self.robust.aggregate != "mean" and self.aggregate == "nonzero":
@@ -221,13 +234,15 @@ class RunConfig:
 
     @property
     def total_steps(self) -> int:
-        return self.rounds * self.sync_every
+        """Inner steps per site over the run (rounds × H, less what a sync_every_schedule saves)."""
+        return self.schedule.steps_before(self.rounds * self.fragments) if self.sync_every_schedule else self.rounds * self.sync_every
 
     @property
     def schedule(self) -> SyncSchedule:
         """When sites push and merge (diloco.site.overlap)."""
         return SyncSchedule(
-            sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode, train_rounds=self.rounds * self.fragments
+            sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode, train_rounds=self.rounds * self.fragments,
+            early=tuple(self.sync_every_schedule or ()),
         )
 
     @property

@@ -215,7 +215,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
 def _live_progress(cfg: RunConfig, opts: SiteOptions, leader: bool, log: Callable[[str], None]) -> LiveProgress:
     """The site's own progress bar (or plain lines) of its inner steps, from its leader rank."""
     schedule = cfg.schedule
-    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=1, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds)
+    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=1, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds, early=schedule.early)
     return LiveProgress(opts.progress if leader else OFF, log, tracker, label=f"site {opts.site_id}")
 
 
@@ -247,16 +247,15 @@ class _Site:
         """Joins, trains every round, leaves; returns the hash of the site's whole θ."""
         cfg, opts, log = self.cfg, self.opts, self.log
         info = sync.join()
-        steps = self.schedule.round_steps
         # A site that joins late (or again, after a crash) starts its lr schedule and its
         # data where the run is; its inner optimizer state starts fresh.
-        self.trainer.steps_done = sync.round * steps
+        self.trainer.steps_done = self.schedule.steps_before(sync.round)
         log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation}; sync {self.schedule.mode})")
         # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
         one_rank = self.layout.world == 1
         self.checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
         if not _restore(self.checkpointer, sync, opts.site_id, log):
-            self.sampler.skip(sync.round * steps)  # the data goes on where the run is
+            self.sampler.skip(self.schedule.steps_before(sync.round))  # the data goes on where the run is
         self.loop = RoundLoop(
             sync, self.schedule, self._step, self.sampler.tokens_per_batch, lambda p, d: self._after_round(sync, p, d), mean=self.layout.mean, budget_s=cfg.inner_budget_s
         )
@@ -282,7 +281,7 @@ class _Site:
             if self.live is not None:
                 self.live.update(round, {self.opts.site_id: at}, force=at.step >= at.steps)
         if self.hooks:
-            self.hooks.after_step(round, step, self.schedule.round_steps, time.monotonic() - t0)
+            self.hooks.after_step(round, step, self.schedule.steps_of(round), time.monotonic() - t0)
         return loss
 
     def _after_round(self, sync: OuterSync, pending: PendingRound, digest: str) -> None:
@@ -296,7 +295,7 @@ class _Site:
         counts["down"] += int(pending.times.get("bytes_down", 0))
         # After a dropped round the site continues at the open round's place in the schedule
         # (with overlap, plus the steps it trained since the push).
-        self.trainer.steps_done = sync.round * self.schedule.round_steps + self.loop.phase_steps
+        self.trainer.steps_done = self.schedule.steps_before(sync.round) + self.loop.phase_steps
         if self.checkpointer and not sync.finished:
             self.checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
         self.observer.landed(pending.header.round, pending.times)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -14,7 +15,7 @@ from diloco.observe.config import MetricsConfig, metrics_config
 from diloco.observe.progress import ProgressConfig, progress_config
 from diloco.observe.status_page import StatusConfig, status_config
 
-RUN_KEYS = ("mode", "sites", "sync_every", "rounds", "seed", "codec", "codec_down", "error_feedback", "error_feedback_decay", "aggregate", "inner_budget_s", "chunk_bytes", "eval_every", "threads", "layout", "site_layouts", "model", "data", "inner", "outer", "quorum", "guard", "robust", "security", "init", "eval_by", "device", "compile", "tf32", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams", "logging", "tensorboard")
+RUN_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig))  # the run's own top-level keys: every RunConfig field
 
 
 # Each entry point's own top-level keys, besides the run's (RUN_KEYS).

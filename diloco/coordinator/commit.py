@@ -142,7 +142,7 @@ def commit(
     if refusal is None and mean is not None:
         residual = encoder.feedback.residual if encoder.feedback is not None else None
         try:
-            update = outer.step(mean, transmit=transmit)
+            update = outer.step(mean, transmit=transmit, round=r)
         except OuterStepRefused as e:
             refusal = str(e)
             if encoder.feedback is not None:

@@ -114,18 +114,27 @@ class ProgressTracker:
     rate (the last ``window_s`` seconds); the run ETA divides the run's steps still to go by the
     rate since the first step seen, outer syncs included."""
 
-    def __init__(self, rounds: int, sites: int, round_steps: int, train_rounds: int | None = None, window_s: float = RATE_WINDOW_S) -> None:
+    def __init__(
+        self, rounds: int, sites: int, round_steps: int, train_rounds: int | None = None, window_s: float = RATE_WINDOW_S, early: tuple[int, ...] = ()
+    ) -> None:
         self.rounds, self.sites, self.round_steps = rounds, sites, round_steps
         self.train_rounds = rounds if train_rounds is None else train_rounds  # later rounds are flush rounds (no steps)
+        self.early = tuple(early)  # the steps of the first rounds (sync_every_schedule)
         self.window_s = window_s
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._first: tuple[float, int] | None = None
 
     def steps_of(self, round: int) -> int:
+        if round < len(self.early):
+            return self.early[round]
         return self.round_steps if round < self.train_rounds else 0
 
+    def _before(self, round: int) -> int:
+        n = min(round, len(self.early))
+        return sum(self.early[:n]) + max(0, min(round, self.train_rounds) - n) * self.round_steps
+
     def _place(self, at: SiteStep) -> int:
-        return min(at.round, self.train_rounds) * self.round_steps + min(at.step, self.steps_of(at.round))
+        return self._before(at.round) + min(at.step, self.steps_of(at.round))
 
     def update(self, now: float, committed: int, sites: Mapping[str, SiteStep]) -> ProgressState:
         """``committed``: the rounds committed as far as the caller knows (diloco-sim: the lines
@@ -145,7 +154,7 @@ class ProgressTracker:
             self._recent.popleft()
         rate = _rate(self._recent[0], (now, place)) if self._recent else None
         overall = _rate(self._first, (now, place)) if self._first is not None else None
-        run_total = self.train_rounds * self.round_steps * max(self.sites, len(sites))
+        run_total = self._before(self.train_rounds) * max(self.sites, len(sites))
         return ProgressState(
             round=open_round, rounds=self.rounds, done=done, total=total, rate=rate,
             round_eta_s=(total - done) / rate if rate else (0.0 if total and done >= total else None),

@@ -11,12 +11,16 @@ from typing import Any
 import torch
 
 from diloco.outer.delayed_nesterov import DelayedNesterov
+from diloco.outer.schedule import OuterSchedule
 
+MOMENTUM_OPTIMIZERS = ("SGD", "DelayedNesterov")  # those whose momentum a schedule can set
 
 @dataclass(frozen=True)
 class OuterConfig:
     """Any torch.optim optimizer by class name, or ``DelayedNesterov``; the default is DiLoCo's
-    Nesterov SGD. ``period`` is DelayedNesterov's: outer steps between momentum updates."""
+    Nesterov SGD. ``period`` is DelayedNesterov's: outer steps between momentum updates.
+    ``lr_warmup``, ``lr_decay``, ``lr_min_ratio`` and ``momentum_warmup``: the schedules of
+    diloco.outer.schedule (none by default)."""
 
     name: str = "SGD"
     lr: float = 0.7
@@ -24,16 +28,29 @@ class OuterConfig:
     nesterov: bool = True
     period: int = 4
     kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra constructor arguments
+    lr_warmup: int = 0  # outer steps of a linear lr warm-up (0: none)
+    lr_decay: str = "none"  # none | linear | cosine, after the warm-up, to lr_min_ratio x lr at the end
+    lr_min_ratio: float = 0.0
+    momentum_warmup: int = 0  # outer steps of a linear momentum warm-up from 0 (0: none)
 
     def __post_init__(self) -> None:
         if self.name != "DelayedNesterov" and not isinstance(getattr(torch.optim, self.name, None), type):
             raise ValueError(f"outer.name={self.name!r}: neither DelayedNesterov nor an optimizer class in torch.optim")
-        if not self.lr > 0:
-            raise ValueError(f"outer.lr={self.lr}: must be > 0")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"outer.lr={self.lr}: must be a finite number > 0")
+        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or not (math.isfinite(self.momentum) and self.momentum >= 0):
+            raise ValueError(f"outer.momentum={self.momentum}: must be a finite number >= 0")
+        schedule = self.schedule  # checks its own fields
+        if schedule.momentum_warmup and self.name not in MOMENTUM_OPTIMIZERS:
+            raise ValueError(f"outer.momentum_warmup={schedule.momentum_warmup}: only for {' and '.join(MOMENTUM_OPTIMIZERS)} (outer.name={self.name})")
         if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
             raise ValueError(f"outer.period={self.period!r}: must be an integer >= 1")
         if self.name == "DelayedNesterov" and not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"outer.momentum={self.momentum}: DelayedNesterov needs a momentum in [0, 1)")
+
+    @property
+    def schedule(self) -> OuterSchedule:
+        return OuterSchedule(self.lr_warmup, self.lr_decay, self.lr_min_ratio, self.momentum_warmup)
 
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         kwargs: dict[str, Any] = {"lr": self.lr, **dict(self.kwargs)}
@@ -88,24 +105,43 @@ class OuterOptimizer:
     A step is all or nothing: if the proposed update is non-finite or absurd
     (``check_update``), or ``transmit`` raises, θ and the optimizer state stay as they were
     and ``OuterStepRefused`` says why. ``update_norm`` is the norm of the last ũ applied.
+
+    With a schedule (``cfg.schedule``), the step of round ``r`` takes the lr and momentum of
+    outer step k = r // ``fragments`` of ``steps``: a pure function of the round, so a
+    restored optimizer goes on with exactly the values it would have had.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig, steps: int | None = None, fragments: int = 1) -> None:
         self.names = sorted(params)
         self.params = {n: params[n].detach().clone().float() for n in self.names}
         self.cfg = cfg
+        self._schedule = cfg.schedule
+        if self._schedule.active and steps is None:
+            raise ValueError("an outer schedule needs the run's number of outer steps")
+        self.steps, self.fragments = steps, fragments
         self._opt = cfg.build([self.params[n] for n in self.names])
         self.update_norm = 0.0
+
+    def hyperparameters(self, round: int) -> dict[str, float]:
+        """The lr and momentum of round ``round``'s outer step ({} without a schedule)."""
+        if not self._schedule.active:
+            return {}
+        k = round // self.fragments
+        return {"lr": self._schedule.lr(self.cfg.lr, k, int(self.steps or 1)), "momentum": self._schedule.momentum(self.cfg.momentum, k)}
 
     def step(
         self,
         mean_delta: Mapping[str, torch.Tensor],
         transmit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        round: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """One outer step over the parameters ``mean_delta`` names (all of them, or one
         fragment's: the others, and their optimizer state, do not move); returns the update ũ
         that was applied (what the sites apply). ``transmit`` may return the proposed update
-        itself (a lossless downlink): it is then not checked a second time."""
+        itself (a lossless downlink): it is then not checked a second time. ``round``: the
+        round this step commits, which places it on the schedule (needed with one)."""
+        if self._schedule.active and round is None:
+            raise ValueError("an outer step with a schedule needs its round")
         names = [n for n in self.names if n in mean_delta]
         unknown = sorted(set(mean_delta) - set(self.names))
         if unknown or not names:
@@ -113,6 +149,8 @@ class OuterOptimizer:
         before = {n: self.params[n].clone() for n in names}
         saved = self._save_state()
         try:
+            for group in self._opt.param_groups:
+                group.update(self.hyperparameters(int(round or 0)))
             for n in names:
                 self.params[n].grad = mean_delta[n].detach().clone()
             self._opt.step()  # parameters without a gradient are skipped, their state untouched

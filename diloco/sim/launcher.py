@@ -460,7 +460,7 @@ def _live_progress(cfg: RunConfig, live: ProgressConfig | None, say: Callable[[s
     """The run's progress bar (or plain lines): the open round's inner steps across the sites
     (mode=diloco: the baselines' ranks write no progress files)."""
     schedule = cfg.schedule
-    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=cfg.sites, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds)
+    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=cfg.sites, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds, early=schedule.early)
     return LiveProgress(live if live is not None and cfg.mode == "diloco" else OFF, say, tracker, label="sites")
 
 

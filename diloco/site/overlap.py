@@ -37,6 +37,9 @@ class SyncSchedule:
     # rounds with none: fragments 0 .. F−2 push what they trained since their last sync, so
     # the run's θ holds every step. None: every round trains.
     train_rounds: int | None = None
+    # The H of the first rounds (sync_every_schedule), growing to H: round r < len trains
+    # early[r] steps, later rounds H. Blocking DiLoCo only (F = 1, τ = 0); ends at H.
+    early: tuple[int, ...] = ()
 
     def problem(self) -> str | None:
         """What cannot work, naming the field; None when the schedule is sound."""
@@ -55,6 +58,21 @@ class SyncSchedule:
             return f"overlap_steps={tau}: must be below sync_every/fragments = {self.round_steps} (one round in flight at a time)"
         if self.outer_mode != "blocking" and (self.fragments > 1 or tau > 0):
             return f"outer_mode={self.outer_mode} overlaps the whole sync with the next inner phase; it cannot be combined with fragments={self.fragments} or overlap_steps={tau} (use outer_mode=blocking for streaming)"
+        return self._early_problem()
+
+    def _early_problem(self) -> str | None:
+        early = list(self.early)
+        if not early:
+            return None
+        if any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in early):
+            return f"sync_every_schedule={early}: every entry must be an integer >= 1 (inner steps of a round)"
+        if early[-1] != self.sync_every:
+            return f"sync_every_schedule={early}: must end at sync_every={self.sync_every} (the H the run goes on with)"
+        if self.fragments > 1 or self.overlap_steps > 0 or self.outer_mode != "blocking":
+            return (
+                f"sync_every_schedule cannot be combined with fragments={self.fragments}, overlap_steps={self.overlap_steps} or "
+                f"outer_mode={self.outer_mode}: it is for blocking DiLoCo (fragments=1, overlap_steps=0, outer_mode=blocking)"
+            )
         return None
 
     @property
@@ -63,8 +81,18 @@ class SyncSchedule:
         return self.sync_every // self.fragments
 
     def steps_of(self, round: int) -> int:
-        """Inner steps before round ``round``'s push: H/F, or 0 for a flush round."""
+        """Inner steps before round ``round``'s push: H/F (the schedule's H in its first
+        rounds), or 0 for a flush round."""
+        if round < len(self.early):
+            return self.early[round]
         return self.round_steps if self.train_rounds is None or round < self.train_rounds else 0
+
+    def steps_before(self, round: int) -> int:
+        """Inner steps of rounds 0 .. ``round`` − 1: where round ``round`` starts in the lr
+        schedule and the data."""
+        n = min(round, len(self.early))
+        trained = round if self.train_rounds is None else min(round, self.train_rounds)
+        return sum(self.early[:n]) + max(0, trained - n) * self.round_steps
 
     def total_rounds(self, rounds: int) -> int:
         """The coordinator's rounds for ``rounds`` rounds of H steps: R × F, plus F − 1 flush rounds."""
