@@ -31,6 +31,15 @@ Reproducing the README figures (3 seeds, tiny model, 4 sites, H=50, 10 rounds)::
 
 (these are the defaults: ``.venv/bin/python scripts/bench_quality.py`` does the same, writing
 to runs/bench_quality/<timestamp>). Smoke test, under a minute: ``--quick``.
+
+A sweep: ``--grid KEY=V1|V2|...`` (repeatable) runs DiLoCo at every point of the grid and each
+baseline once per seed, and prints per point the median bpb, % better than one worker and %
+worse than data parallel, each seed against the baselines of its own seed::
+
+    .venv/bin/python scripts/bench_quality.py --seeds 0,1,2 --grid 'outer.lr=0.7|1.0' \
+        --grid 'outer.momentum_warmup=0|5' --out runs/sweep
+
+``--set data.path=FILE`` runs it on another corpus.
 """
 
 from __future__ import annotations
@@ -78,6 +87,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra config override in dotted form, applied to every run (repeatable), e.g. --set inner.lr=0.002 --set outer.lr=0.5; "
         "VALUE is parsed as JSON when it can be, else taken as a string",
     )
+    p.add_argument(
+        "--grid",
+        dest="grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1|V2|...",
+        help="a sweep axis for the diloco runs (repeatable; the runs are the cartesian product of the axes), e.g. --grid outer.lr=0.7|1.0 "
+        "--grid outer.momentum_warmup=0|5; values parsed as JSON when they can be. The baselines run once per seed (and per distinct "
+        "baseline config: a sync_every_schedule changes their steps)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per-run timeout passed to run_simulation (default 3600)")
     p.add_argument("--quick", action="store_true", help="smoke test: rounds=2, sync_every=5, seeds=0, sites=2 (explicit flags still win)")
     args = p.parse_args(argv)
@@ -99,9 +118,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = Path("runs") / "bench_quality" / time.strftime("%Y-%m-%d_%H-%M-%S")
     try:
         args.override_pairs = [parse_override(s) for s in args.overrides]
+        args.grid_axes = [parse_axis(s) for s in args.grid]
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def parse_axis(text: str) -> tuple[list[str], list[Any]]:
+    """``"outer.lr=0.7|1.0"`` -> (["outer", "lr"], [0.7, 1.0])."""
+    key, sep, raw = text.partition("=")
+    if not sep or not raw:
+        raise ValueError(f"--grid {text!r}: expected KEY=V1|V2|... with a dotted KEY such as outer.lr=0.7|1.0")
+    values = [parse_override(f"{key}={v}")[1] for v in raw.split("|")]
+    return parse_override(f"{key}={raw.split('|')[0]}")[0], values
+
+
+def variants(axes: list[tuple[list[str], list[Any]]]) -> list[tuple[str, list[tuple[list[str], Any]]]]:
+    """Every point of the grid: (a label such as "outer.lr=1.0 outer.momentum=0.5", its overrides);
+    no axes: one variant, "default" (the run's settings as given)."""
+    points: list[list[tuple[list[str], Any]]] = [[]]
+    for path, values in axes:
+        points = [point + [(path, v)] for point in points for v in values]
+    return [(" ".join(f"{'.'.join(p)}={json.dumps(v)}" for p, v in point) or "default", point) for point in points]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -127,15 +165,22 @@ def apply_override(d: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def build_config(args: argparse.Namespace, mode: str, seed: int) -> RunConfig:
+def build_config(args: argparse.Namespace, mode: str, seed: int, extra: list[tuple[list[str], Any]] | None = None) -> RunConfig:
     d = run_config_defaults()
     d.update(mode=mode, sites=args.sites, sync_every=args.sync_every, rounds=args.rounds, seed=seed)
     # Replace the whole model section: the defaults hold every field of the tiny preset, which
     # would otherwise override the sizes of another preset.
     d["model"] = {"name": args.model}
-    for path, value in args.override_pairs:
+    for path, value in [*args.override_pairs, *(extra or [])]:
+        if mode != "diloco" and path[0] in DILOCO_ONLY:
+            continue  # the baselines have no outer step, codec or quorum
         apply_override(d, path, copy.deepcopy(value))
     return run_config_from_dict(d)
+
+
+# Settings only DiLoCo has: a grid over them runs each baseline once per seed. (A
+# sync_every_schedule is applied to the baselines too: they train the same blocks.)
+DILOCO_ONLY = ("outer", "codec", "codec_down", "quorum", "error_feedback", "error_feedback_decay", "aggregate", "robust", "guard", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams")
 
 
 # ---------------------------------------------------------------------------- runs
@@ -262,9 +307,108 @@ def print_table(agg: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- main
 
 
+def _run(cfg: RunConfig, run_dir: Path, timeout_s: float, label: str) -> dict[str, Any]:
+    try:
+        summary = run_simulation(cfg, run_dir, timeout_s=timeout_s, progress=None)
+    except SimStopped:
+        raise
+    except (SimError, DataError) as e:
+        print(f"{label} FAILED: {e}", flush=True)
+        return {"mode": cfg.mode, "seed": cfg.seed, "run_dir": str(run_dir), "error": str(e)}
+    print(f"{label} {run_line(summary)}", flush=True)
+    return summary
+
+
+def _pct(x: float | None, y: float | None, better: bool) -> float | None:
+    if x is None or y is None:
+        return None
+    return 100.0 * ((y - x) if better else (x - y)) / y
+
+
+def grid_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per variant: DiLoCo's bpb per seed, % better than one worker and % worse than data
+    parallel per seed (each against the baseline run of its own seed and steps), and their
+    medians and spreads."""
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        rs = [r for r in rows if r["variant"] == variant]
+        entry: dict[str, Any] = {"variant": variant, "seeds": [r["seed"] for r in rs], "bpb": [r["bpb"] for r in rs]}
+        for key, better in (("vs_single_pct_better", True), ("vs_ddp_pct_worse", False)):
+            base = "single" if better else "ddp"
+            vals = [_pct(r["bpb"], r.get(base), better) for r in rs]
+            vals = [v for v in vals if v is not None]
+            entry[key] = vals
+            entry[key + "_median"] = _median(vals)
+        entry["bpb_median"] = _median([b for b in entry["bpb"] if b is not None])
+        out.append(entry)
+    return out
+
+
+def print_grid(table: list[dict[str, Any]]) -> None:
+    print()
+    print(f"{'variant':<70} {'bpb median':>10} {'vs single (better)':>20} {'vs ddp (worse)':>16}  per seed (bpb / vs single / vs ddp)")
+    for e in table:
+        def spread(vals: list[float]) -> str:
+            return f"{_median(vals):+.2f}%" if vals else "-"
+
+        seeds = "; ".join(
+            f"{seed}: {_f(b)}" for seed, b in zip(e["seeds"], e["bpb"])
+        )
+        singles = " ".join(f"{v:+.2f}" for v in e["vs_single_pct_better"])
+        ddps = " ".join(f"{v:+.2f}" for v in e["vs_ddp_pct_worse"])
+        print(f"{e['variant']:<70} {_f(e['bpb_median']):>10} {spread(e['vs_single_pct_better']):>20} {spread(e['vs_ddp_pct_worse']):>16}  {seeds} / [{singles}] / [{ddps}]")
+
+
+def main_grid(args: argparse.Namespace, out: Path) -> int:
+    """The sweep: every grid point for DiLoCo, each baseline once per seed and distinct config."""
+    from diloco.app.config import run_config_to_dict
+
+    points = variants(args.grid_axes)
+    baselines = [m for m in args.mode_list if m != "diloco"]
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    meta = {"argv": sys.argv[1:], "sites": args.sites, "sync_every": args.sync_every, "rounds": args.rounds, "seeds": args.seed_list, "overrides": args.overrides, "grid": args.grid}
+    print(f"bench_quality grid: {len(points)} point(s) x {len(args.seed_list)} seed(s), baselines {','.join(baselines) or 'none'} -> {out}", flush=True)
+    done: dict[str, dict[str, Any]] = {}  # a baseline's config (JSON) -> its summary
+    runs: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    for seed in args.seed_list:
+        for i, (label, point) in enumerate(points):
+            row: dict[str, Any] = {"variant": label, "seed": seed}
+            for mode in baselines:
+                cfg = build_config(args, mode, seed, point)
+                key = json.dumps(run_config_to_dict(cfg), sort_keys=True, default=str)
+                if key not in done:
+                    done[key] = _run(cfg, out / f"{mode}_seed{seed}_{len(done)}", args.timeout_s, f"[{mode}]")
+                    runs.append(done[key])
+                row[mode] = done[key].get("final_eval_bpb")
+            if "diloco" in args.mode_list:
+                summary = _run(build_config(args, "diloco", seed, point), out / f"diloco_seed{seed}_v{i}", args.timeout_s, f"[{label}]")
+                summary["variant"] = label
+                runs.append(summary)
+                row["bpb"] = summary.get("final_eval_bpb")
+                row["hashes_equal"] = summary.get("hashes_equal")
+            rows.append(row)
+            write_json_atomic(results_path, {"meta": meta, "runs": runs, "rows": rows, "table": grid_table(rows)})
+    table = grid_table(rows)
+    write_json_atomic(results_path, {"meta": meta, "runs": runs, "rows": rows, "table": table})
+    print_grid(table)
+    print(f"results: {results_path}")
+    return 1 if any("error" in r for r in runs) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.out.resolve()
+    if args.grid_axes:
+        try:
+            for _label, point in variants(args.grid_axes):
+                for mode in args.mode_list:
+                    build_config(args, mode, args.seed_list[0], point)  # every point's config is checked before any run
+        except ConfigError as e:
+            print(f"error: bad config: {e}", file=sys.stderr)
+            return 2
+        return main_grid(args, out)
     plan = [(mode, seed) for seed in args.seed_list for mode in args.mode_list]
     try:
         configs = {(mode, seed): build_config(args, mode, seed) for mode, seed in plan}
