@@ -388,6 +388,11 @@ def main_grid(args: argparse.Namespace, out: Path) -> int:
                 runs.append(summary)
                 row["bpb"] = summary.get("final_eval_bpb")
                 row["hashes_equal"] = summary.get("hashes_equal")
+                # A round closed without a site (a slow start on a busy machine) changes the run: say so.
+                lines = read_jsonl(Path(summary.get("run_dir", out / "none")) / "metrics.jsonl")
+                row["every_site_every_round"] = bool(lines) and all(len(m["participants"]) == args.sites for m in lines)
+                if not row["every_site_every_round"]:
+                    print(f"[{label}] warning: some round closed without every site", flush=True)
             rows.append(row)
             write_json_atomic(results_path, {"meta": meta, "runs": runs, "rows": rows, "table": grid_table(rows)})
     table = grid_table(rows)

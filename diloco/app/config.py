@@ -15,6 +15,7 @@ from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
 from diloco.outer import OuterConfig, RobustConfig, check_aggregate
+from diloco.outer.defaults import applies, auto_outer
 from diloco.observe.logs import LoggingConfig
 from diloco.observe.config import TensorBoardConfig
 from diloco.security.config import SecurityConfig
@@ -28,7 +29,7 @@ EVAL_BY = ("auto", "coordinator", "sites")
 DEVICES = ("auto", "cpu", "cuda")
 # Layouts that cut the built-in transformer's own modules (heads, MLP halves, pipeline stages).
 BUILTIN_ONLY_LAYOUTS = ("tp2", "tp2_fsdp2", "pp2")
-OUTER_FROM_CODEC = ("name", "lr", "momentum", "nesterov")  # outer fields the codec's best decides unless set
+OUTER_FROM_CODEC = ("name", "lr", "momentum", "nesterov", "momentum_warmup")  # outer fields the codec's best (or the auto rule) decides unless set
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
@@ -121,9 +122,12 @@ class RunConfig:
                 object.__setattr__(self, field_name, codec_config(value))
             except ValueError as e:
                 raise ConfigError(f"{field_name}={value!r}: {e}") from None
-        # What the run leaves unset, the codec's measured best fills in.
+        # What the run leaves unset, the codec's measured best fills in (the outer step: the
+        # rule of diloco.outer.defaults where it applies).
         for name, value in best_settings(self.codec.name).items():
             if getattr(self, name) is None:
+                if name == "outer":
+                    value = {**value, **(auto_outer(self.rounds) if applies(True, value, {}) else {})}  # type: ignore[dict-item]
                 object.__setattr__(self, name, OuterConfig(**value) if name == "outer" else value)  # type: ignore[arg-type]
 
     def _check_values(self) -> None:
@@ -260,7 +264,7 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         model = model_config(str(model_d.pop("name", "tiny")), **model_d)
         data = _build(DataConfig, d.pop("data", {}), "data")
         inner = _build(InnerConfig, d.pop("inner", {}), "inner")
-        outer = _outer_config(d.pop("outer", None), d.get("codec"))
+        outer = _outer_config(d.pop("outer", None), d.get("codec"), d.get("rounds", RunConfig.rounds))
         quorum = _build(QuorumConfig, d.pop("quorum", {}), "quorum")
         guard = _build(GuardConfig, d.pop("guard", {}), "guard")
         robust = _build(RobustConfig, d.pop("robust", {}), "robust")
@@ -279,10 +283,11 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(str(e)) from None
 
 
-def _outer_config(values: Mapping[str, Any] | None, codec: Any) -> OuterConfig | None:
+def _outer_config(values: Mapping[str, Any] | None, codec: Any, rounds: Any = None) -> OuterConfig | None:
     """The ``outer`` section: None when absent (the codec's best, resolved by RunConfig); its
-    null or missing fields are the codec's best (conf/run.yaml leaves name, lr, momentum and
-    nesterov null), the others as given."""
+    null or missing fields are the codec's best (conf/run.yaml leaves name, lr, momentum,
+    nesterov and momentum_warmup null), or where it applies the rule of diloco.outer.defaults
+    for a run of ``rounds`` rounds; the others as given."""
     if values is None:
         return None
     try:
@@ -290,6 +295,8 @@ def _outer_config(values: Mapping[str, Any] | None, codec: Any) -> OuterConfig |
     except ValueError:
         best = {}  # a bad codec: RunConfig names it
     given = {k: v for k, v in dict(values).items() if v is not None}
+    if applies(given.get("auto", True), best, given) and isinstance(rounds, int) and not isinstance(rounds, bool):
+        best = {**best, **auto_outer(rounds)}  # type: ignore[dict-item]
     return _build(OuterConfig, {**best, **given}, "outer")  # type: ignore[dict-item]
 
 
@@ -298,7 +305,7 @@ def run_config_defaults() -> dict[str, Any]:
     conf/run.yaml): the base to put overrides on, so that ``codec=...`` still brings its best."""
     d = run_config_to_dict(RunConfig())
     d.update(aggregate=None, error_feedback_decay=None)
-    d["outer"].update({k: None for k in OUTER_FROM_CODEC})
+    d["outer"].update({k: None for k in OUTER_FROM_CODEC})  # the codec's best, or the auto rule
     return d
 
 

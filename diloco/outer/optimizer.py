@@ -32,6 +32,7 @@ class OuterConfig:
     lr_decay: str = "none"  # none | linear | cosine, after the warm-up, to lr_min_ratio x lr at the end
     lr_min_ratio: float = 0.0
     momentum_warmup: int = 0  # outer steps of a linear momentum warm-up from 0 (0: none)
+    auto: bool = True  # the run's default outer step when it sets none (diloco.outer.defaults); false: exactly what is written
 
     def __post_init__(self) -> None:
         if self.name != "DelayedNesterov" and not isinstance(getattr(torch.optim, self.name, None), type):
@@ -40,6 +41,8 @@ class OuterConfig:
             raise ValueError(f"outer.lr={self.lr}: must be a finite number > 0")
         if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or not (math.isfinite(self.momentum) and self.momentum >= 0):
             raise ValueError(f"outer.momentum={self.momentum}: must be a finite number >= 0")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"outer.auto={self.auto!r}: must be true or false")
         schedule = self.schedule  # checks its own fields
         if schedule.momentum_warmup and self.name not in MOMENTUM_OPTIMIZERS:
             raise ValueError(f"outer.momentum_warmup={schedule.momentum_warmup}: only for {' and '.join(MOMENTUM_OPTIMIZERS)} (outer.name={self.name})")

@@ -36,7 +36,8 @@ def test_one_fragment_without_overlap_is_todays_diloco_bit_for_bit(tmp_path: Pat
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in GOLDEN:
         pytest.skip(f"no θ hash of commit e5c0e69 recorded for CPU capability {capability}: run that commit here and add it to GOLDEN")
-    cfg = run_config_from_dict({"sites": 2, "sync_every": 5, "rounds": 3, "codec": codec, "fragments": 1, "overlap_steps": 0})
+    # outer.auto=false: the outer step of the runs of that day (lr 0.7, momentum 0.9, no warm-up).
+    cfg = run_config_from_dict({"sites": 2, "sync_every": 5, "rounds": 3, "codec": codec, "fragments": 1, "overlap_steps": 0, "outer": {"auto": False}})
     summary = run_simulation(cfg, tmp_path / "run", progress=None)
     assert summary["hashes_equal"]
     assert summary["global_sha256"] == GOLDEN[capability][codec]

@@ -136,13 +136,15 @@ def test_a_codec_brings_its_best_settings_unless_they_are_set(codec: str, aggreg
     from diloco.outer import OuterConfig
 
     sparse = codec.startswith("topk2bit")
-    best_outer = OuterConfig(lr=1.25, momentum=0.0, nesterov=False) if sparse else OuterConfig()
+    # Dense codecs: the outer.auto rule for a 10-round run (tests/unit/test_outer_defaults.py).
+    best_outer = OuterConfig(lr=1.25, momentum=0.0, nesterov=False) if sparse else OuterConfig(lr=1.0, momentum=0.9, momentum_warmup=10)
     for cfg in (run_config_from_dict({"codec": codec}), RunConfig(codec=codec), run_config_from_dict({**run_config_defaults(), "codec": codec})):
         assert (cfg.aggregate, cfg.error_feedback_decay, cfg.outer) == (aggregate, decay, best_outer)
         assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
     mine = run_config_from_dict({"codec": codec, "aggregate": "mean", "error_feedback_decay": 0.5, "outer": {"lr": 0.5}})
     assert (mine.aggregate, mine.error_feedback_decay) == ("mean", 0.5)
-    assert mine.outer == OuterConfig(**{**best_outer.__dict__, "lr": 0.5})  # the fields not given stay the codec's best
+    # A run that sets the lr gets what it wrote, the codec's best for the rest (no auto rule).
+    assert mine.outer == (OuterConfig(**{**best_outer.__dict__, "lr": 0.5}) if sparse else OuterConfig(lr=0.5))
 
 
 def test_the_library_refuses_unknown_enum_values_as_the_config_does() -> None:
