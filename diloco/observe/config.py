@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 MAX_PORT = 65535
 T = TypeVar("T")
@@ -26,23 +26,33 @@ class TensorBoardConfig:
 
 
 @dataclass(frozen=True)
-class MetricsConfig:
-    """One process's Prometheus endpoint (``GET /metrics``, prometheus_client's HTTP server).
+class EndpointConfig:
+    """An HTTP endpoint's section (``SECTION``): ``port`` None, off; 0, any free port (logged,
+    and written to ``port_file``); a port already in use fails the start naming it. ``host``:
+    the address it listens on. Every check names the field."""
 
-    ``port``: None, no endpoint; 0, any free port (logged, and written to ``port_file``); a
-    port already in use fails the start naming it. ``host``: the address it listens on.
-    ``port_file``: where {"host", "port", "url"} of the endpoint is written as JSON."""
+    SECTION: ClassVar[str] = "endpoint"
+    OFF: ClassVar[str] = "off"  # what port=null means, in the error message
 
     port: int | None = None
     host: str = "127.0.0.1"
     port_file: str | None = None
 
     def __post_init__(self) -> None:
-        check_endpoint("metrics", self.port, self.host, self.port_file, off="no /metrics")
+        check_endpoint(self.SECTION, self.port, self.host, self.port_file, off=self.OFF)
 
     @property
     def enabled(self) -> bool:
         return self.port is not None
+
+
+@dataclass(frozen=True)
+class MetricsConfig(EndpointConfig):
+    """One process's Prometheus endpoint (``GET /metrics``, prometheus_client's HTTP server);
+    ``port_file``: where {"host", "port", "url"} of the endpoint is written as JSON."""
+
+    SECTION: ClassVar[str] = "metrics"
+    OFF: ClassVar[str] = "no /metrics"
 
 
 def check_port(port: Any, field: str, off: str = "no /metrics") -> None:

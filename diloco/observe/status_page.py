@@ -37,14 +37,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from diloco.io import write_json_atomic
 from diloco.security.config import SecurityConfig, is_loopback
 from diloco.security.store import RunCredentials
 from diloco.security.tokens import TokenTable
-from diloco.observe.config import check_endpoint, parse_section
+from diloco.observe.config import EndpointConfig, parse_section
 from diloco.observe.status_state import RunState
 
 MAX_CONNECTIONS = 16  # connections served at once; more are closed without an answer
@@ -57,25 +57,13 @@ class StatusPageError(ValueError):
 
 
 @dataclass(frozen=True)
-class StatusConfig:
-    """The coordinator's ``status`` section.
+class StatusConfig(EndpointConfig):
+    """The coordinator's ``status`` section (port None: no page, the default). An address
+    other than loopback needs the run's TLS, or security.insecure. ``port_file``: where
+    {"host", "port", "url", "tls", "client_certificate", "token"} is written as JSON."""
 
-    ``port``: None, no page (the default); 0, any free port (logged, and written to
-    ``port_file``); a port already in use fails the start naming it. ``host``: the address it
-    listens on (an address other than loopback needs the run's TLS, or security.insecure).
-    ``port_file``: where {"host", "port", "url", "tls", "client_certificate", "token"} is
-    written as JSON."""
-
-    port: int | None = None
-    host: str = "127.0.0.1"
-    port_file: str | None = None
-
-    def __post_init__(self) -> None:
-        check_endpoint("status", self.port, self.host, self.port_file, off="no status page")
-
-    @property
-    def enabled(self) -> bool:
-        return self.port is not None
+    SECTION: ClassVar[str] = "status"
+    OFF: ClassVar[str] = "no status page"
 
 
 def status_config(values: Mapping[str, Any] | None, **extra: Any) -> StatusConfig:
