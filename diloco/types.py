@@ -71,6 +71,9 @@ class PushHeader:
     part: int = 0  # a sharded site pushes `parts` parts (one per rank), each with its own slices
     parts: int = 1
     eval: SiteEval | None = None  # the site's evaluation of the global θ of an earlier round
+    # Not empty: the site has no Δ for this round, and why (lost, or its inner phase went
+    # wrong); no chunks follow, the round goes on without it and the site pulls as usual.
+    withheld: str = ""
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,8 @@ class MetricsReporter:
                 verdict += f"; push of site {r['site']} not counted: {r['why']}"
             for r in record.clipped:
                 verdict += f"; push of site {r['site']} clipped: {r['why']}"
+            for r in record.withheld:
+                verdict += f"; site {r['site']} withheld its push: {r['why']}"
             self._log(f"round {record.round} committed: sites={','.join(record.participants)} tokens={record.tokens} eval_bpb={shown}{verdict}")
             for r in record.refused:
                 self.refused[r["site"]] = self.refused.get(r["site"], 0) + 1
@@ -154,6 +156,7 @@ class MetricsReporter:
             recovered=True if recovered else None,
             refused=rec.get("refused") or None,
             clipped=rec.get("clipped") or None,
+            withheld=rec.get("withheld") or None,
             fragment=rec.get("fragment") if self._c.cfg.fragments > 1 else None,
         )
 

@@ -81,6 +81,7 @@ class MetricsLine:
     recovered: bool | None = _f("true: written by a restarted coordinator for a round its predecessor committed", optional=True)
     refused: list[dict[str, Any]] | None = _f("pushes the norm bound refused (robust.norm_ratio): {site, round, norm, reference, why}", optional=True)
     clipped: list[dict[str, Any]] | None = _f("pushes counted scaled down (robust.action=clip): {site, round, norm, reference, scale, why}", optional=True)
+    withheld: list[dict[str, Any]] | None = _f("sites that had no pseudo-gradient for the round and said so (not counted; e.g. faults drop_push lost): {site, round, why}", optional=True)
     fragment: int | None = _f("fragments=F: the fragment of the parameters this round synced (round mod F)", optional=True)
 
 

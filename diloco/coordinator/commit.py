@@ -43,6 +43,7 @@ class RoundRecord:
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
     refused: list[dict[str, Any]] = field(default_factory=list)  # pushes judged and not counted (robust.*): site, round, norm, reference, why
     clipped: list[dict[str, Any]] = field(default_factory=list)  # pushes counted scaled down (robust.action=clip): ..., scale
+    withheld: list[dict[str, Any]] = field(default_factory=list)  # sites that had no Δ for the round: site, round, why
     # sharded sites' pushes: site -> per part {part, whole: tensors sent whole, sliced: tensors sent as slices, numel}
     sliced: dict[str, list[dict[str, int]]] = field(default_factory=dict)
     fragment: int = 0  # the fragment of the parameters this round synced (fragments=F: round mod F)
@@ -172,6 +173,7 @@ def commit(
         merged=list(state.merged),
         refused=list(state.refused),
         clipped=list(state.clipped),
+        withheld=list(state.withheld),
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         fragment=state.fragment,
@@ -186,6 +188,8 @@ def commit(
 
 def _mean(state: RoundState) -> tuple[dict[str, torch.Tensor] | None, str | None]:
     """The round's mean Δ, or why there is none (its finiteness is judged by its norm)."""
+    if state.pushes and not any(state.counted(s) for s in state.pushes):
+        return None, "no pseudo-gradient counted in this round (every push was withheld or refused): θ stays"
     try:
         return state.acc.mean(), None
     except (ValueError, RuntimeError) as e:

@@ -12,6 +12,7 @@ from diloco.types import PushHeader
 MAX_PARTS = 4096  # ranks of one sharded site
 MAX_INNER_STEPS = 10**9
 MAX_TRAIN_LOSS = 1e6  # nats per token; a reported loss above this is nonsense, not a diverged run
+MAX_WITHHELD = 512  # characters of a withheld push's reason
 
 
 @dataclass(frozen=True)
@@ -38,4 +39,9 @@ def header_problem(h: PushHeader, bounds: HeaderBounds) -> str | None:
         return f"part={h.part}: must be in 0..{h.parts - 1}"
     if not (math.isnan(h.train_loss) or abs(h.train_loss) <= MAX_TRAIN_LOSS):
         return f"train_loss={h.train_loss}: must be NaN (not reported) or at most {MAX_TRAIN_LOSS:g} in size"
+    if h.withheld:
+        if len(h.withheld) > MAX_WITHHELD or not h.withheld.isprintable():
+            return f"withheld: a reason of at most {MAX_WITHHELD} printable characters (got {len(h.withheld)} characters)"
+        if h.parts > 1:
+            return f"withheld with parts={h.parts}: a site withholds its whole push, in one header (parts 1)"
     return None

@@ -26,6 +26,7 @@ class RoundState:
     evicted: list[str] = field(default_factory=list)  # sites whose lease ended while the round was open
     refused: list[dict[str, Any]] = field(default_factory=list)  # pushes judged and not counted (robust.*): site, round, figures
     clipped: list[dict[str, Any]] = field(default_factory=list)  # pushes counted scaled down (robust.action=clip)
+    withheld: list[dict[str, Any]] = field(default_factory=list)  # sites that said they have no Δ: site, round, why
     names: tuple[str, ...] = ()  # the parameters this round syncs: all of them, or one fragment's
     fragment: int = 0
 
@@ -51,9 +52,18 @@ class RoundState:
         if self._count(header, delta, float(header.tokens) * factor, judged):
             self.merged.append({"site": header.site_id, "round": header.round, "weight": factor, "tokens": header.tokens})
 
+    def withhold(self, header: PushHeader, now: float) -> None:
+        """A site that has no Δ for this round (``header.withheld`` says why): it took part,
+        so the round does not wait for it again, and nothing of it is counted."""
+        self.pushes[header.site_id] = header
+        self.pushed_at[header.site_id] = now
+        self.withheld.append({"site": header.site_id, "round": header.round, "why": header.withheld})
+
     def counted(self, site_id: str) -> bool:
-        """The site's push for this round is in the average (not refused)."""
-        return site_id in self.pushes and not any(r["site"] == site_id and r["round"] == self.number for r in self.refused)
+        """The site's push for this round is in the average (not refused, not withheld)."""
+        return site_id in self.pushes and not any(
+            r["site"] == site_id and r["round"] == self.number for r in (*self.refused, *self.withheld)
+        )
 
     def _count(self, header: PushHeader, delta: Mapping[str, torch.Tensor], weight: float, judged: NormVerdict | None) -> bool:
         """Adds ``delta`` to the average as ``judged`` says; False when it was refused."""

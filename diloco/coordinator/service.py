@@ -447,6 +447,8 @@ class Coordinator:
         """Accepts one site's whole pseudo-gradient for one round, or nothing of it. A part of
         a sharded site's push (``header.parts > 1``) waits until every part has arrived."""
         self._check_header(header, "push")
+        if header.withheld:
+            return self._withhold(header, chunks)
         if header.parts > 1:
             return self._push_part(header, chunks)
         with self._cv:
@@ -454,6 +456,32 @@ class Coordinator:
         if verdict == "duplicate":
             return _duplicate(header)
         return self._take(header, ((c, None) for c in unbundled(chunks)))
+
+    def _withhold(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
+        """A site that has no Δ for this round says so (``header.withheld``: why) and sends no
+        chunk: the round takes that as the site's part (it stops waiting for the site, counts
+        nothing of it, and closes as its policy says). A late one has nothing to merge."""
+        at = time.monotonic()
+        what = f"push of site {header.site_id!r} for round {header.round}"
+        try:
+            extra = next(iter(unbundled(chunks)), None)
+        except CodecError as e:
+            raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
+        if extra is not None:
+            raise CoordinatorError("invalid_argument", f"{what} rejected: it is withheld ({header.withheld!r}) yet carries chunks")
+        pending = None
+        with self._cv:
+            verdict = self._check_push(header)
+            if verdict == "duplicate":
+                return _duplicate(header)
+            self._record_eval(header)
+            if verdict == "take":
+                self._round.withhold(header, self._clock())
+                pending = self._maybe_commit({"closer": header.site_id, "began_at": at, "first_chunk_s": 0.0, "receive_s": 0.0, "lock_s": 0.0})
+        for push_listener in self.on_push:
+            push_listener(header.round)
+        self._publish(pending)
+        return PushResult(accepted=True, duplicate=False, round=header.round, payload_bytes=0, refused=f"withheld by the site: {header.withheld}")
 
     def _take(
         self, header: PushHeader, chunks: Iterable[tuple[Chunk, torch.Tensor | None]], sliced: list[dict[str, int]] | None = None, parts_payload: int = 0

@@ -19,6 +19,7 @@ PULLS = {"PullUpdate": "update", "PullGlobal": "global"}
 # has one (diloco.coordinator.verdict); the other outcomes keep their gRPC status's name.
 REASONS = {"aborted": "late", "out_of_range": "past_end", "duplicate": "duplicate"}
 NORM_BOUND = "norm_bound"  # received whole, then not counted by the norm bound (robust.norm_ratio)
+WITHHELD = "withheld"  # the site had no Δ for the round and said so (PushHeader.withheld)
 
 
 def refusal_reason(outcome: str) -> str:
@@ -52,7 +53,7 @@ class CoordinatorMetrics:
         self.checkpoint_seconds = Histogram(p + "checkpoint_duration_seconds", "Seconds to make a commit durable (its checkpoint written and synced)", registry=r, buckets=DURATION_BUCKETS)
         for state in ("active", "evicted", "left"):
             self.sites.labels(state)  # present (at 0) before the first site joins
-        for reason in ("late", "duplicate", NORM_BOUND):
+        for reason in ("late", "duplicate", NORM_BOUND, WITHHELD):
             self.pushes_refused.labels(reason)
         self._coordinator: Any = None
 
@@ -77,6 +78,8 @@ class CoordinatorMetrics:
             self.rounds_rejected.inc()
         if record.refused:
             self.pushes_refused.labels(NORM_BOUND).inc(len(record.refused))
+        if record.withheld:
+            self.pushes_refused.labels(WITHHELD).inc(len(record.withheld))
         timings = self._coordinator.commit_timings()[-1:] if self._coordinator is not None else []
         if timings and timings[0].get("round") == record.round:
             self._timed(timings[0])

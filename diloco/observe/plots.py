@@ -27,6 +27,7 @@ _EVENT_STYLE = {  # marker, colour
     "late": ("o", "#1f77b4"),
     "dropped": ("x", "#d62728"),
     "refused": ("s", "#8c1c13"),
+    "withheld": ("D", "#7f7f7f"),
     "killed": ("X", "#000000"),
     "rejoined": ("^", "#9467bd"),
     "fault": ("*", "#e6b800"),

@@ -66,6 +66,7 @@ def round_scalars(line: Mapping[str, Any], tokens_so_far: int, bytes_so_far: tup
     put("pushes/merged", len(line.get("merged") or ()))
     put("pushes/refused", len(line.get("refused") or ()))  # by the norm bound (robust.norm_ratio)
     put("pushes/clipped", len(line.get("clipped") or ()))
+    put("pushes/withheld", len(line.get("withheld") or ()))  # sites that had no Δ for the round
     put("round/rejected", 1.0 if line.get("rejected") else 0.0)
     put("round/inner_steps", line.get("inner_steps"))
     put("norm/update", line.get("update_norm"))

@@ -9,6 +9,7 @@ closed without its push), or nothing (not in the run then). On top, events:
 - ``dropped``: its push for the round came late and was refused (metrics ``late``, and the
   site's own ``dropped_rounds`` in workers/<site>.json);
 - ``refused``: the norm bound refused its push (metrics ``refused``);
+- ``withheld``: the site had no Δ for the round and said so (metrics ``withheld``);
 - ``killed``: an injected kill_site fired in the round (summary.json ``faults_injected``);
   the coordinator gets a row of its own when it was killed;
 - ``rejoined``: its first push after being killed or evicted;
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from diloco.observe.rundata import RunData
 
 STATES = ("pushed", "absent", "evicted")
-EVENTS = ("late", "dropped", "refused", "killed", "rejoined", "fault")
+EVENTS = ("late", "dropped", "refused", "withheld", "killed", "rejoined", "fault")
 COORDINATOR = "coordinator"
 
 
@@ -67,6 +68,8 @@ def timeline(run: RunData) -> Timeline:
             t.add(str(p["site"]), int(p.get("round", r)), "dropped")
         for p in m.get("refused") or []:
             t.add(str(p["site"]), int(p.get("round", r)), "refused")
+        for p in m.get("withheld") or []:
+            t.add(str(p["site"]), int(p.get("round", r)), "withheld")
     known = set(rounds)
     for site, w in run.workers.items():
         for r in w.get("dropped_rounds") or []:

@@ -18,7 +18,10 @@ Kinds (``faults.events`` in the run config, a list of mappings):
 * ``slow_site``: ``site``, ``factor`` (> 1): each inner step takes factor times as long
   (the site sleeps (factor - 1) x the step's time after it), from ``at_round`` (default 0).
 * ``drop_push``: ``prob``: each push attempt is lost on the way with this probability (the
-  site sees the connection fail and sends it again); ``site`` (default: every site).
+  site sees the connection fail and sends it again); ``site`` (default: every site);
+  ``lost: true``: the pseudo-gradient is lost for good instead (the DiLoCo paper's dropped
+  workers): the site withholds its push (PushHeader.withheld says why), the round goes on
+  without it, and the site pulls the round's update as usual.
 * ``partition_site``: ``site``, ``at_round``, ``seconds``: from the moment the site wants to
   push round at_round, every call it makes fails as if the network were cut, for ``seconds``.
 * ``poison_push``: ``site``, ``factor``: from ``at_round`` (default 0) every push of the site
@@ -57,7 +60,7 @@ _ALLOWED = {
     "kill_site": ("site", "at_round", "phase", "restart_after_s"),
     "kill_coordinator": ("at_round", "phase", "restart_after_s"),
     "slow_site": ("site", "factor", "at_round"),
-    "drop_push": ("prob", "site"),
+    "drop_push": ("prob", "site", "lost"),
     "partition_site": ("site", "at_round", "seconds"),
     "poison_push": ("site", "factor", "at_round"),
 }
@@ -73,6 +76,7 @@ class FaultEvent:
     factor: float = 1.0
     prob: float = 0.0
     seconds: float = 0.0
+    lost: bool = False  # drop_push: the pseudo-gradient is lost for good (withheld), not resent
 
     @property
     def kills(self) -> bool:
@@ -106,6 +110,8 @@ def fault_event(d: Mapping[str, Any], index: int = 0) -> FaultEvent:
         raise ValueError(f"{where}.factor={d['factor']}: must be >= 1")
     if kind == "drop_push" and not 0 <= d["prob"] < 1:
         raise ValueError(f"{where}.prob={d['prob']}: must be in [0, 1)")
+    if "lost" in d and not isinstance(d["lost"], bool):
+        raise ValueError(f"{where}.lost={d['lost']!r}: must be true or false")
     if kind == "partition_site" and not d["seconds"] > 0:
         raise ValueError(f"{where}.seconds={d['seconds']}: must be > 0")
     return FaultEvent(kind=kind, **d)
@@ -268,7 +274,10 @@ class _FaultyClient:
         for i, e in f._events("drop_push"):
             if f._rng.random() < e.prob:
                 f.dropped_pushes += 1
-                f.plan.record(i, round=header.round, site=f.site)
+                f.plan.record(i, round=header.round, site=f.site, lost=e.lost)
+                if e.lost:  # the site has no Δ to send: it says so, and the round goes on without it
+                    why = f"its pseudo-gradient was lost (injected drop_push, prob {e.prob:g})"
+                    return self._client.push(dataclasses.replace(header, withheld=why, part=0, parts=1), iter(()), lane=lane)
                 raise RemoteError("unavailable", f"injected: push of round {header.round} was lost on the way")
         for i, e in f._events("poison_push"):
             if header.round >= (e.at_round or 0):

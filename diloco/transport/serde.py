@@ -179,14 +179,14 @@ def eval_from_proto(m: pb.PushHeader | pb.LeaveRequest) -> SiteEval | None:
 def header_to_proto(h: PushHeader) -> pb.PushHeader:
     return pb.PushHeader(
         site_id=h.site_id, round=h.round, tokens=h.tokens, train_loss=h.train_loss, inner_steps=h.inner_steps, part=h.part, parts=h.parts,
-        **eval_fields(h.eval),
+        withheld=h.withheld, **eval_fields(h.eval),
     )  # fmt: skip
 
 
 def header_from_proto(m: pb.PushHeader) -> PushHeader:
     return PushHeader(
         site_id=m.site_id, round=m.round, tokens=m.tokens, train_loss=m.train_loss, inner_steps=m.inner_steps, part=m.part, parts=m.parts or 1,
-        eval=eval_from_proto(m),
+        eval=eval_from_proto(m), withheld=m.withheld,
     )  # fmt: skip
 
 

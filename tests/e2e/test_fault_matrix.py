@@ -7,6 +7,8 @@ Three runs, each a module-scoped fixture shared by its cells:
   between two rounds and in the middle of one. Every process is started again.
 * network: a site cut off from the coordinator (longer than its lease) and pushes dropped
   on the way with probability 0.3.
+* lost: pseudo-gradients lost for good with probability 0.4 (the DiLoCo paper's dropped
+  workers): the sites withhold them, and the rounds go on without them.
 * straggler: a site 20x slower than the others, with a median deadline (policy: drop).
 * straggler_merge: the same with late pushes merged, under the Delayed Nesterov outer optimizer.
 
@@ -152,6 +154,25 @@ def test_dropped_pushes_are_sent_again(network: Run) -> None:
         # The site sent the push again: it participates in the round unless it was cut off.
         m = network.metrics[e["round"]]
         assert str(e["site"]) in m["participants"] or (e["site"] == 0 and e["round"] in (2, 3)), (e, m)
+
+
+def test_lost_pseudo_gradients_are_withheld_and_the_rounds_go_on_without_them(tmp_path: Path) -> None:
+    events = _events("{kind:drop_push,prob:0.4,lost:true}")
+    run = run_ok(tmp_path / "run", *BASE, "rounds=6", "quorum.min_sites=3", events, timeout=280)
+    summary, metrics = run.summary, run.metrics
+    assert [m["round"] for m in metrics] == list(range(6)) and summary["hashes_equal"], summary["site_global_sha256"]
+    lost = sorted((e["round"], str(e["site"])) for e in summary["faults_injected"] if e["kind"] == "drop_push")
+    assert lost and all(e["lost"] for e in summary["faults_injected"] if e["kind"] == "drop_push")
+    withheld = sorted((w["round"], w["site"]) for m in metrics for w in m.get("withheld") or [])
+    assert withheld == lost  # each lost push is withheld once, in its own round
+    for m in metrics:
+        assert m["participants"] == ALL and not m["absent"]  # every site answered: no round waited out a lease
+        gone = {w["site"] for w in m.get("withheld") or []}
+        # A round where every push was lost leaves θ where it was (rejected, no update).
+        assert m["rejected"] == (gone == set(ALL)), m
+        if gone != set(ALL):
+            assert m["update_norm"] > 0
+    assert summary["rounds_committed"] == 6
 
 
 def test_a_straggler_is_left_out_by_the_deadline_and_stays_identical(straggler: Run) -> None:

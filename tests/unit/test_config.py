@@ -50,6 +50,8 @@ def test_bad_values_name_the_field(override: dict, field: str) -> None:
         ({"events": [{"kind": "kill_site", "site": 9, "at_round": 1}]}, "faults.events[0].site=9"),
         ({"events": [{"kind": "kill_coordinator", "at_round": 99}]}, "faults.events[0].at_round=99"),
         ({"events": [{"kind": "drop_push", "prob": 0.1}, {"kind": "drop_push", "prob": 1.5}]}, "faults.events[1].prob=1.5"),
+        ({"events": [{"kind": "drop_push", "prob": 0.3, "lost": "yes"}]}, "faults.events[0].lost='yes': must be true or false"),
+        ({"events": [{"kind": "slow_site", "site": 0, "factor": 2, "lost": True}]}, "slow_site takes no lost"),
         ({"events": [{"kind": "kill_site", "site": 0, "at_round": 1, "phase": "lunch"}]}, "phase='lunch'"),
         ({"events": [{"kind": "slow_site", "site": 0, "factor": 2, "seconds": 3}]}, "slow_site takes no seconds"),
         ({"colour": 1}, "faults.colour"),

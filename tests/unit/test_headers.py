@@ -43,6 +43,9 @@ def test_a_good_header_passes() -> None:
         ({"part": 2, "parts": 2}, "part=2: must be in 0..1"),
         ({"train_loss": math.inf}, "train_loss=inf"),
         ({"train_loss": -1e300}, "train_loss="),
+        ({"withheld": "x" * 513}, "withheld: a reason of at most 512"),
+        ({"withheld": "lost\x00"}, "printable"),
+        ({"withheld": "lost", "part": 1, "parts": 2}, "withheld with parts=2"),
     ],
 )
 def test_each_bad_field_is_named(changes: dict[str, object], fragment: str) -> None:

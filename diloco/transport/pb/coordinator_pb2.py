@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%diloco/transport/pb/coordinator.proto\x12\tdiloco.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x8f\x01\n\x0bJoinRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12%\n\x06params\x18\x02 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12\x12\n\ncan_upload\x18\x03 \x01(\x08\x12\x12\n\nsync_every\x18\x04 \x01(\x03\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x11\n\tfragments\x18\x06 \x01(\x03\"q\n\tJoinReply\x12\x14\n\x0ctotal_rounds\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x13\n\x0bupload_init\x18\x05 \x01(\x08\x12\x12\n\neval_every\x18\x06 \x01(\x03J\x04\x08\x01\x10\x02\"\xa4\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x11\n\tbox_start\x18\t \x03(\x03\x12\x11\n\tbox_shape\x18\n \x03(\x03J\x04\x08\x08\x10\t\"\xbe\x01\n\nPushHeader\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x12\n\ntrain_loss\x18\x04 \x01(\x01\x12\x13\n\x0binner_steps\x18\x05 \x01(\x03\x12\x0c\n\x04part\x18\x06 \x01(\x05\x12\r\n\x05parts\x18\x07 \x01(\x05\x12\x11\n\teval_loss\x18\x08 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\t \x01(\x03\x12\x12\n\neval_round\x18\n \x01(\x03\"g\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bmerged_into\x18\x05 \x01(\x03\x12\x0f\n\x07refused\x18\x06 \x01(\t\x12\x0f\n\x07\x63lipped\x18\x07 \x01(\t\"@\n\x0bWaitRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"Z\n\x0bRoundStatus\x12\x18\n\x10\x63ommitted_rounds\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x03 \x01(\x03\x12\x15\n\rglobal_sha256\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03\"j\n\rGlobalMessage\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x16.diloco.v1.RoundStatusH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"Q\n\x0bPullRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\"\n\x04want\x18\x03 \x03(\x0b\x32\x14.diloco.v1.TensorBox\"7\n\tTensorBox\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x03(\x03\x12\r\n\x05shape\x18\x03 \x03(\x03\"r\n\x0cLeaveRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x15\n\rglobal_sha256\x18\x02 \x01(\t\x12\x11\n\teval_loss\x18\x03 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\x04 \x01(\x03\x12\x12\n\neval_round\x18\x05 \x01(\x03\"\x0c\n\nLeaveReply\"#\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t2\xf8\x03\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12<\n\nUploadInit\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tPushDelta\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tWaitRound\x12\x16.diloco.v1.WaitRequest\x1a\x16.diloco.v1.RoundStatus\x12>\n\nPullUpdate\x12\x16.diloco.v1.PullRequest\x1a\x16.diloco.v1.TensorChunk0\x01\x12@\n\nPullGlobal\x12\x16.diloco.v1.PullRequest\x1a\x18.diloco.v1.GlobalMessage0\x01\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12@\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x16.diloco.v1.RoundStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%diloco/transport/pb/coordinator.proto\x12\tdiloco.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x8f\x01\n\x0bJoinRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12%\n\x06params\x18\x02 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12\x12\n\ncan_upload\x18\x03 \x01(\x08\x12\x12\n\nsync_every\x18\x04 \x01(\x03\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x11\n\tfragments\x18\x06 \x01(\x03\"q\n\tJoinReply\x12\x14\n\x0ctotal_rounds\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x13\n\x0bupload_init\x18\x05 \x01(\x08\x12\x12\n\neval_every\x18\x06 \x01(\x03J\x04\x08\x01\x10\x02\"\xa4\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x11\n\tbox_start\x18\t \x03(\x03\x12\x11\n\tbox_shape\x18\n \x03(\x03J\x04\x08\x08\x10\t\"\xd0\x01\n\nPushHeader\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x12\n\ntrain_loss\x18\x04 \x01(\x01\x12\x13\n\x0binner_steps\x18\x05 \x01(\x03\x12\x0c\n\x04part\x18\x06 \x01(\x05\x12\r\n\x05parts\x18\x07 \x01(\x05\x12\x11\n\teval_loss\x18\x08 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\t \x01(\x03\x12\x12\n\neval_round\x18\n \x01(\x03\x12\x10\n\x08withheld\x18\x0b \x01(\t\"g\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bmerged_into\x18\x05 \x01(\x03\x12\x0f\n\x07refused\x18\x06 \x01(\t\x12\x0f\n\x07\x63lipped\x18\x07 \x01(\t\"@\n\x0bWaitRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"Z\n\x0bRoundStatus\x12\x18\n\x10\x63ommitted_rounds\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x03 \x01(\x03\x12\x15\n\rglobal_sha256\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03\"j\n\rGlobalMessage\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x16.diloco.v1.RoundStatusH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"Q\n\x0bPullRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\"\n\x04want\x18\x03 \x03(\x0b\x32\x14.diloco.v1.TensorBox\"7\n\tTensorBox\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x03(\x03\x12\r\n\x05shape\x18\x03 \x03(\x03\"r\n\x0cLeaveRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x15\n\rglobal_sha256\x18\x02 \x01(\t\x12\x11\n\teval_loss\x18\x03 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\x04 \x01(\x03\x12\x12\n\neval_round\x18\x05 \x01(\x03\"\x0c\n\nLeaveReply\"#\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t2\xf8\x03\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12<\n\nUploadInit\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tPushDelta\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tWaitRound\x12\x16.diloco.v1.WaitRequest\x1a\x16.diloco.v1.RoundStatus\x12>\n\nPullUpdate\x12\x16.diloco.v1.PullRequest\x1a\x16.diloco.v1.TensorChunk0\x01\x12@\n\nPullGlobal\x12\x16.diloco.v1.PullRequest\x1a\x18.diloco.v1.GlobalMessage0\x01\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12@\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x16.diloco.v1.RoundStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORCHUNK']._serialized_start=372
   _globals['_TENSORCHUNK']._serialized_end=536
   _globals['_PUSHHEADER']._serialized_start=539
-  _globals['_PUSHHEADER']._serialized_end=729
-  _globals['_PUSHMESSAGE']._serialized_start=731
-  _globals['_PUSHMESSAGE']._serialized_end=834
-  _globals['_PUSHREPLY']._serialized_start=837
-  _globals['_PUSHREPLY']._serialized_end=978
-  _globals['_WAITREQUEST']._serialized_start=980
-  _globals['_WAITREQUEST']._serialized_end=1044
-  _globals['_ROUNDSTATUS']._serialized_start=1046
-  _globals['_ROUNDSTATUS']._serialized_end=1136
-  _globals['_GLOBALMESSAGE']._serialized_start=1138
-  _globals['_GLOBALMESSAGE']._serialized_end=1244
-  _globals['_PULLREQUEST']._serialized_start=1246
-  _globals['_PULLREQUEST']._serialized_end=1327
-  _globals['_TENSORBOX']._serialized_start=1329
-  _globals['_TENSORBOX']._serialized_end=1384
-  _globals['_LEAVEREQUEST']._serialized_start=1386
-  _globals['_LEAVEREQUEST']._serialized_end=1500
-  _globals['_LEAVEREPLY']._serialized_start=1502
-  _globals['_LEAVEREPLY']._serialized_end=1514
-  _globals['_HEARTBEATREQUEST']._serialized_start=1516
-  _globals['_HEARTBEATREQUEST']._serialized_end=1551
-  _globals['_COORDINATOR']._serialized_start=1554
-  _globals['_COORDINATOR']._serialized_end=2058
+  _globals['_PUSHHEADER']._serialized_end=747
+  _globals['_PUSHMESSAGE']._serialized_start=749
+  _globals['_PUSHMESSAGE']._serialized_end=852
+  _globals['_PUSHREPLY']._serialized_start=855
+  _globals['_PUSHREPLY']._serialized_end=996
+  _globals['_WAITREQUEST']._serialized_start=998
+  _globals['_WAITREQUEST']._serialized_end=1062
+  _globals['_ROUNDSTATUS']._serialized_start=1064
+  _globals['_ROUNDSTATUS']._serialized_end=1154
+  _globals['_GLOBALMESSAGE']._serialized_start=1156
+  _globals['_GLOBALMESSAGE']._serialized_end=1262
+  _globals['_PULLREQUEST']._serialized_start=1264
+  _globals['_PULLREQUEST']._serialized_end=1345
+  _globals['_TENSORBOX']._serialized_start=1347
+  _globals['_TENSORBOX']._serialized_end=1402
+  _globals['_LEAVEREQUEST']._serialized_start=1404
+  _globals['_LEAVEREQUEST']._serialized_end=1518
+  _globals['_LEAVEREPLY']._serialized_start=1520
+  _globals['_LEAVEREPLY']._serialized_end=1532
+  _globals['_HEARTBEATREQUEST']._serialized_start=1534
+  _globals['_HEARTBEATREQUEST']._serialized_end=1569
+  _globals['_COORDINATOR']._serialized_start=1572
+  _globals['_COORDINATOR']._serialized_end=2076
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,105 @@
+"""A site that has no pseudo-gradient for a round says so (PushHeader.withheld): the round stops
+waiting for it, counts nothing of it and goes on; a round where every site withheld leaves θ
+where it was. What the DiLoCo paper's dropped workers are, made a protocol message."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from diloco.codec import get_codec
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.errors import CoordinatorError
+from diloco.outer import OuterConfig
+from diloco.types import PushHeader
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
+
+pytestmark = pytest.mark.timeout(60)
+THETA = {"w": torch.zeros(8)}
+NESTEROV = OuterConfig(name="SGD", lr=1.0, momentum=0.9, nesterov=True)
+
+
+def _coord(sites: int = 4, rounds: int = 3, min_sites: int | None = None) -> tuple[Coordinator, list]:
+    c = Coordinator(THETA, NESTEROV, CoordinatorConfig(total_rounds=rounds, min_sites=min_sites or sites))
+    for s in range(sites):
+        c.join(str(s), fingerprint(THETA).values())
+    records: list = []
+    c.on_commit.append(records.append)
+    return c, records
+
+
+def _header(site: int, round: int) -> PushHeader:
+    return PushHeader(site_id=str(site), round=round, tokens=10, train_loss=1.0, inner_steps=5)
+
+
+def _push(c: Coordinator, site: int, round: int, value: float):
+    return c.push(_header(site, round), encode_chunks({"w": torch.full((8,), value)}, codec=get_codec("fp32")))
+
+
+def _withhold(c: Coordinator, site: int, round: int, why: str = "lost on the way"):
+    return c.push(dataclasses.replace(_header(site, round), withheld=why), iter(()))
+
+
+def test_the_round_goes_on_without_a_withheld_push_and_averages_the_others() -> None:
+    c, records = _coord()
+    for s, v in enumerate([0.1, 0.2, 0.3]):
+        _push(c, s, 0, v)
+    assert not records  # the fourth site has not answered yet
+    result = _withhold(c, 3, 0)
+    assert result.accepted and result.refused == "withheld by the site: lost on the way" and result.payload_bytes == 0
+    (rec,) = records
+    assert rec.withheld == [{"site": "3", "round": 0, "why": "lost on the way"}]
+    assert rec.tokens == 30 and not rec.rejected and "3" not in rec.absent
+    # Nesterov SGD, lr 1, momentum 0.9, first step: θ − (1 + 0.9) × mean over the three counted
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.2))
+
+
+def test_a_round_every_site_withheld_leaves_theta_and_the_momentum_as_they_were() -> None:
+    c, records = _coord(sites=2)
+    for s in range(2):
+        _push(c, s, 0, 0.1)
+    theta = c.global_params()["w"].clone()
+    state = c._checkpoint_state()["outer"]  # noqa: SLF001 - the optimizer state a checkpoint holds
+    for s in range(2):
+        _withhold(c, s, 1)
+    rec = records[1]
+    assert rec.rejected and "every push was withheld or refused" in rec.guard and rec.tokens == 0
+    assert torch.equal(c.global_params()["w"], theta)
+    assert repr(c._checkpoint_state()["outer"]) == repr(state)  # noqa: SLF001
+    for s in range(2):  # the run goes on: the next round counts again
+        _push(c, s, 2, 0.1)
+    assert not records[2].rejected
+
+
+def test_a_withheld_push_counts_for_the_quorum_so_a_majority_round_does_not_wedge() -> None:
+    c, records = _coord(sites=4, min_sites=3)
+    _push(c, 0, 0, 0.1)
+    for s in (1, 2, 3):
+        _withhold(c, s, 0)
+    (rec,) = records
+    assert [w["site"] for w in rec.withheld] == ["1", "2", "3"] and rec.tokens == 10
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.1))
+
+
+def test_a_repeat_is_a_duplicate_and_a_real_push_after_it_changes_nothing() -> None:
+    c, records = _coord(sites=2)
+    _withhold(c, 0, 0)
+    assert _withhold(c, 0, 0).duplicate
+    assert _push(c, 0, 0, 5.0).duplicate
+    _push(c, 1, 0, 0.1)
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.1))
+    assert records[0].tokens == 10
+
+
+def test_a_withheld_push_with_chunks_is_refused_and_changes_nothing() -> None:
+    c, records = _coord(sites=2)
+    header = dataclasses.replace(_header(0, 0), withheld="lost")
+    with pytest.raises(CoordinatorError, match="withheld .* yet carries chunks") as e:
+        c.push(header, encode_chunks({"w": torch.ones(8)}, codec=get_codec("fp32")))
+    assert e.value.kind == "invalid_argument"
+    _push(c, 0, 0, 0.1)  # the site can still push for the round
+    _push(c, 1, 0, 0.3)
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.2))
