@@ -39,7 +39,9 @@ worse than data parallel, each seed against the baselines of its own seed::
     .venv/bin/python scripts/bench_quality.py --seeds 0,1,2 --grid 'outer.lr=0.7|1.0' \
         --grid 'outer.momentum_warmup=0|5' --out runs/sweep
 
-``--set data.path=FILE`` runs it on another corpus.
+``--set data.path=FILE`` runs it on another corpus. ``faults.events`` (``--set`` or ``--grid``,
+JSON) injects the simulator's faults into the DiLoCo runs, e.g. pseudo-gradients lost for good
+with probability 0.3: ``--set 'faults.events=[{"kind":"drop_push","prob":0.3,"lost":true}]'``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from typing import Any
 from diloco.app.config import ConfigError, RunConfig, run_config_defaults, run_config_from_dict
 from diloco.data import DataError
 from diloco.io import read_jsonl, write_json_atomic
-from diloco.sim.launcher import SimError, SimStopped, run_simulation
+from diloco.sim.faults import FaultsConfig
+from diloco.sim.launcher import SimError, SimStopped, run_simulation, sim_faults
 
 ALL_MODES = ("diloco", "ddp", "single")
 DEFAULTS: dict[str, Any] = {"rounds": 10, "sync_every": 50, "sites": 4, "seeds": "0,1,2"}
@@ -172,14 +175,26 @@ def build_config(args: argparse.Namespace, mode: str, seed: int, extra: list[tup
     # would otherwise override the sizes of another preset.
     d["model"] = {"name": args.model}
     for path, value in [*args.override_pairs, *(extra or [])]:
-        if mode != "diloco" and path[0] in DILOCO_ONLY:
-            continue  # the baselines have no outer step, codec or quorum
+        if (mode != "diloco" and path[0] in DILOCO_ONLY) or path[0] == SIM_ONLY:
+            continue  # the baselines have no outer step, codec or quorum; faults are the simulator's
         apply_override(d, path, copy.deepcopy(value))
     return run_config_from_dict(d)
 
 
+def build_faults(args: argparse.Namespace, cfg: RunConfig, extra: list[tuple[list[str], Any]] | None = None) -> FaultsConfig | None:
+    """The simulator's ``faults`` section of a run (DiLoCo runs only), checked against ``cfg``."""
+    d: dict[str, Any] = {}
+    for path, value in [*args.override_pairs, *(extra or [])]:
+        if path[0] == SIM_ONLY and len(path) > 1:
+            apply_override(d, path[1:], copy.deepcopy(value))
+        elif path[0] == SIM_ONLY:
+            raise ConfigError(f"{SIM_ONLY}: set faults.events, not the whole section")
+    return sim_faults(d, cfg) if d and cfg.mode == "diloco" else None
+
+
 # Settings only DiLoCo has: a grid over them runs each baseline once per seed. (A
 # sync_every_schedule is applied to the baselines too: they train the same blocks.)
+SIM_ONLY = "faults"  # run_simulation's own argument, not the run config's
 DILOCO_ONLY = ("outer", "codec", "codec_down", "quorum", "error_feedback", "error_feedback_decay", "aggregate", "robust", "guard", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams")
 
 
@@ -307,9 +322,9 @@ def print_table(agg: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- main
 
 
-def _run(cfg: RunConfig, run_dir: Path, timeout_s: float, label: str) -> dict[str, Any]:
+def _run(cfg: RunConfig, run_dir: Path, timeout_s: float, label: str, faults: FaultsConfig | None = None) -> dict[str, Any]:
     try:
-        summary = run_simulation(cfg, run_dir, timeout_s=timeout_s, progress=None)
+        summary = run_simulation(cfg, run_dir, timeout_s=timeout_s, progress=None, faults=faults)
     except SimStopped:
         raise
     except (SimError, DataError) as e:
@@ -383,7 +398,8 @@ def main_grid(args: argparse.Namespace, out: Path) -> int:
                     runs.append(done[key])
                 row[mode] = done[key].get("final_eval_bpb")
             if "diloco" in args.mode_list:
-                summary = _run(build_config(args, "diloco", seed, point), out / f"diloco_seed{seed}_v{i}", args.timeout_s, f"[{label}]")
+                cfg = build_config(args, "diloco", seed, point)
+                summary = _run(cfg, out / f"diloco_seed{seed}_v{i}", args.timeout_s, f"[{label}]", build_faults(args, cfg, point))
                 summary["variant"] = label
                 runs.append(summary)
                 row["bpb"] = summary.get("final_eval_bpb")
@@ -408,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid_axes:
         try:
             for _label, point in variants(args.grid_axes):
-                for mode in args.mode_list:
-                    build_config(args, mode, args.seed_list[0], point)  # every point's config is checked before any run
+                for mode in args.mode_list:  # every point's config is checked before any run
+                    build_faults(args, build_config(args, mode, args.seed_list[0], point), point)
         except ConfigError as e:
             print(f"error: bad config: {e}", file=sys.stderr)
             return 2
@@ -417,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(mode, seed) for seed in args.seed_list for mode in args.mode_list]
     try:
         configs = {(mode, seed): build_config(args, mode, seed) for mode, seed in plan}
+        faults = {key: build_faults(args, cfg) for key, cfg in configs.items()}
     except ConfigError as e:
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
@@ -443,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = configs[(mode, seed)]
         run_dir = out / f"{mode}_seed{seed}"
         try:
-            summary = run_simulation(cfg, run_dir, timeout_s=args.timeout_s, progress=None)
+            summary = run_simulation(cfg, run_dir, timeout_s=args.timeout_s, progress=None, faults=faults[(mode, seed)])
         except SimStopped:
             raise
         except (SimError, DataError) as e:
