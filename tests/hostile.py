@@ -119,6 +119,7 @@ class Fuzzer:
             site_id=self._id(), round=self._int(-2, self.total_rounds + 1), tokens=self._int(1, 100), train_loss=self.rng.choice([1.0, float("nan"), float("inf"), -1e300]),
             inner_steps=self._int(0, 10), part=self._i32(0, 2) if self.rng.random() < 0.3 else 0, parts=self._i32(0, 3) if self.rng.random() < 0.3 else 1,
             eval_tokens=self._int(0, 5) if self.rng.random() < 0.2 else 0, eval_round=self._int(-1, 3), eval_loss=self.rng.choice([1.0, float("nan"), -2.0]),
+            withheld=self.rng.choice(["lost", "x" * 600, "bad\x00reason"]) if self.rng.random() < 0.15 else "",
         )  # fmt: skip
 
     def _delta(self) -> dict[str, torch.Tensor]:

@@ -158,6 +158,29 @@ def test_bad_codec_payloads_are_refused_and_change_nothing(served) -> None:
     assert coord.committed_rounds == 1
 
 
+def test_a_withheld_push_crosses_the_wire_and_the_round_goes_on_without_it(served) -> None:
+    """A site with no Δ for the round sends a header with ``withheld`` and no chunks: the round
+    closes once the other site pushed, with only its Δ; a withheld push that carries chunks, or
+    one with a reason no one can read, is refused and changes nothing."""
+    coord, client = served
+    _join(client, "a", "b")
+    before = coord.global_sha256()
+    lost = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1, withheld="lost on the way")
+    good = list(encode_chunks(_delta(), codec=FP32))
+    _expect_refused(lambda: _raw_push(client, lost, good), "invalid_argument", "withheld ('lost on the way') yet carries chunks")
+    _expect_refused(lambda: _raw_push(client, PushHeader(**{**lost.__dict__, "withheld": "x" * 600}), []), "invalid_argument", "withheld: a reason of at most 512")
+    assert coord.global_sha256() == before and coord.committed_rounds == 0
+    result = _raw_push(client, lost, [])
+    assert result.accepted and result.refused == "withheld by the site: lost on the way" and result.payload_bytes == 0
+    assert coord.committed_rounds == 0  # b has not answered yet
+    assert _push(client, "b", 0, _delta(0.2)).accepted
+    assert coord.committed_rounds == 1
+    solo = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=1))
+    solo.join("b", fingerprint(_theta()).values())
+    solo.push(PushHeader(site_id="b", round=0, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(_delta(0.2), codec=FP32))
+    assert coord.global_sha256() == solo.global_sha256()  # θ moved by b's Δ alone
+
+
 def test_push_must_start_with_a_header(served) -> None:
     coord, client = served
     _join(client, "a")
