@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 DEADLINES = ("none", "fixed", "median")
 LATE_POLICIES = ("drop", "merge")
+WITHHELD_POLICIES = ("skip", "zero")
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,16 @@ class QuorumConfig:
     late: str = "drop"  # a push for a round that closed without it: drop (refused) | merge (into the open round)
     late_discount: float = 0.5  # merge: its weight is tokens x late_discount ** staleness (rounds late)
     max_staleness: int = 2  # merge: a push more rounds late than this is dropped all the same
+    # How a withheld push (a site with no Δ for the round) weighs in the round's mean: skip (the
+    # mean of the Δ received) | zero (a zero Δ with its tokens: the step shrinks by the share
+    # of the round's tokens whose Δ was lost). aggregate=mean only; the others skip it.
+    withheld: str = "skip"
 
     def __post_init__(self) -> None:
         if self.late not in LATE_POLICIES:
             raise ValueError(f"quorum.late={self.late!r}: must be one of {', '.join(LATE_POLICIES)}")
+        if self.withheld not in WITHHELD_POLICIES:
+            raise ValueError(f"quorum.withheld={self.withheld!r}: must be one of {', '.join(WITHHELD_POLICIES)}")
         if not 0 < self.late_discount <= 1:
             raise ValueError(f"quorum.late_discount={self.late_discount}: must be in (0, 1]")
         if not (isinstance(self.max_staleness, int) and self.max_staleness >= 1):

@@ -29,11 +29,16 @@ class RoundState:
     withheld: list[dict[str, Any]] = field(default_factory=list)  # sites that said they have no Δ: site, round, why
     names: tuple[str, ...] = ()  # the parameters this round syncs: all of them, or one fragment's
     fragment: int = 0
+    zero_withheld: bool = False  # quorum.withheld=zero: a withheld site weighs in as a zero Δ
 
     @staticmethod
-    def open(number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig, fragment: int = 0) -> RoundState:
-        """``shapes``: the parameters the round syncs (with fragments, fragment ``fragment``'s)."""
-        return RoundState(number=number, opened_at=opened_at, acc=make_aggregate(shapes, aggregate, robust), names=tuple(sorted(shapes)), fragment=fragment)
+    def open(
+        number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig, fragment: int = 0, withheld: str = "skip"
+    ) -> RoundState:
+        """``shapes``: the parameters the round syncs (with fragments, fragment ``fragment``'s);
+        ``withheld``: quorum.withheld."""
+        acc = make_aggregate(shapes, aggregate, robust)
+        return RoundState(number=number, opened_at=opened_at, acc=acc, names=tuple(sorted(shapes)), fragment=fragment, zero_withheld=withheld == "zero")
 
     def take(
         self, header: PushHeader, delta: Mapping[str, torch.Tensor], now: float, sliced: list[dict[str, int]] | None, judged: NormVerdict | None = None
@@ -58,6 +63,8 @@ class RoundState:
         self.pushes[header.site_id] = header
         self.pushed_at[header.site_id] = now
         self.withheld.append({"site": header.site_id, "round": header.round, "why": header.withheld})
+        if self.zero_withheld and isinstance(self.acc, WeightedMean):
+            self.acc.add_zero(float(header.tokens))
 
     def counted(self, site_id: str) -> bool:
         """The site's push for this round is in the average (not refused, not withheld)."""

@@ -102,7 +102,7 @@ class Coordinator:
         self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
         self._start = clock()
         self._split: tuple[tuple[str, ...], ...] = ((),)
-        self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust)
+        self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust, withheld=cfg.quorum.withheld)
         if params is not None:
             self._install(params, cfg.init_source)
         self._staging = StagingPool(cfg.max_concurrent_pushes, cfg.staging_timeout_s)
@@ -134,7 +134,7 @@ class Coordinator:
     def _open_round(self, number: int, opened_at: float) -> RoundState:
         fragment = fragment_of_round(number, self.cfg.fragments)
         names = self._split[fragment] if len(self._split) > fragment else ()  # before θ₀ (init=site): none
-        return RoundState.open(number, opened_at, {n: self._shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust, fragment)
+        return RoundState.open(number, opened_at, {n: self._shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust, fragment, self.cfg.quorum.withheld)
 
     def _round_specs(self, round: int) -> dict[str, TensorSpec]:
         """The tensors a push for ``round`` carries: every one, or its fragment's."""

@@ -64,6 +64,14 @@ class WeightedMean:
         self.total_weight += weight
         self.count += 1
 
+    def add_zero(self, weight: float) -> None:
+        """A Δ of zeros with this weight (a withheld site under quorum.withheld=zero): only the
+        total weight grows, so the mean shrinks by the share of the weight that sent nothing.
+        Under ``nonzero`` it changes nothing (a zero is no value there)."""
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        self.total_weight += weight
+
     def mean(self) -> dict[str, torch.Tensor]:
         if self.count == 0:
             raise ValueError("no contributions to average")

@@ -11,6 +11,7 @@ import torch
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.round_policy import QuorumConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig
 from diloco.types import PushHeader
@@ -22,8 +23,9 @@ THETA = {"w": torch.zeros(8)}
 NESTEROV = OuterConfig(name="SGD", lr=1.0, momentum=0.9, nesterov=True)
 
 
-def _coord(sites: int = 4, rounds: int = 3, min_sites: int | None = None) -> tuple[Coordinator, list]:
-    c = Coordinator(THETA, NESTEROV, CoordinatorConfig(total_rounds=rounds, min_sites=min_sites or sites))
+def _coord(sites: int = 4, rounds: int = 3, min_sites: int | None = None, withheld: str = "skip", aggregate: str = "mean") -> tuple[Coordinator, list]:
+    cfg = CoordinatorConfig(total_rounds=rounds, min_sites=min_sites or sites, quorum=QuorumConfig(withheld=withheld), aggregate=aggregate)
+    c = Coordinator(THETA, NESTEROV, cfg)
     for s in range(sites):
         c.join(str(s), fingerprint(THETA).values())
     records: list = []
@@ -103,3 +105,25 @@ def test_a_withheld_push_with_chunks_is_refused_and_changes_nothing() -> None:
     _push(c, 0, 0, 0.1)  # the site can still push for the round
     _push(c, 1, 0, 0.3)
     torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.2))
+
+
+def test_quorum_withheld_zero_counts_a_withheld_site_as_a_zero_delta_with_its_tokens() -> None:
+    c, records = _coord(withheld="zero")
+    for s, v in enumerate([0.1, 0.2, 0.3]):
+        _push(c, s, 0, v)
+    _withhold(c, 3, 0)
+    # Σ tokens·Δ over the three = 10 × 0.6, divided by the tokens of all four (40): 0.15
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.15))
+    assert records[0].tokens == 30  # the record still counts the tokens whose Δ counted
+
+
+def test_quorum_withheld_zero_changes_nothing_under_nonzero_and_nothing_when_all_withheld() -> None:
+    c, _ = _coord(withheld="zero", aggregate="nonzero")
+    for s, v in enumerate([0.1, 0.2, 0.3]):
+        _push(c, s, 0, v)
+    _withhold(c, 3, 0)
+    torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -1.9 * 0.2))  # the mean over the three
+    c, records = _coord(sites=2, withheld="zero")
+    for s in range(2):
+        _withhold(c, s, 0)
+    assert records[0].rejected and torch.equal(c.global_params()["w"], THETA["w"])
