@@ -177,7 +177,8 @@ class DiLoCo:
             codec=codec, error_feedback=error_feedback, error_feedback_decay=None if error_feedback_decay is None else float(error_feedback_decay), timeouts=Timeouts(round_timeout_s=float(round_timeout_s)),
             sync_every=sync_every,  # the coordinator refuses a site whose H is not the run's
         )  # fmt: skip
-        self.sync = OuterSync(model, self._client, str(site_id), options)
+        # A diverged round (Δ not finite) restarts from θ; the optimizer's state had the NaN too.
+        self.sync = OuterSync(model, self._client, str(site_id), options, on_diverged=optimizer.state.clear if optimizer is not None else None)
         self._hook: Any = None
         self._steps_in_round = 0
         self._tokens_in_round = 0

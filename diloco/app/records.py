@@ -142,6 +142,7 @@ class WorkerRecord:
     round_sha256: dict[str, str] | None = _f("round -> sha256 of its θ after the round", optional=True)
     dropped_rounds: list[int] | None = _f("rounds committed without its push (it came too late)", optional=True)
     merged_rounds: list[int] | None = _f("rounds whose late push was merged into a later round", optional=True)
+    diverged_rounds: list[int] | None = _f("rounds whose pseudo-gradient was not finite: withheld, the site restarted from θ with a fresh inner optimizer state", optional=True)
     rejoins: int | None = _f("times it had to join again (evicted, or forgotten by a restarted coordinator)", optional=True)
     reconnects: int | None = _f("calls retried because the coordinator could not be reached", optional=True)
     incarnation: int | None = _f("how many times this site's process was started again", optional=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -42,6 +43,9 @@ class SiteHooks(Protocol):
 
     def after_step(self, round: int, step: int, steps: int, step_s: float) -> None:
         """After inner step ``step`` (0-based) of ``steps`` in ``round``, which took ``step_s``."""
+
+    def diverges(self, round: int, step: int, steps: int) -> bool:
+        """Whether a NaN appears in the site's parameters after that step (an injected divergence)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ def _sync_record(sync: OuterSync) -> dict[str, Any]:
         "round_sha256": {str(r): h for r, h in sorted(sync.stats.round_hashes.items())},
         "dropped_rounds": sync.stats.dropped_rounds,
         "merged_rounds": sync.stats.merged_rounds,
+        "diverged_rounds": sync.stats.diverged_rounds,
         "rejoins": sync.stats.rejoins,
         "reconnects": sync.stats.reconnects,
     }
@@ -179,7 +184,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 streams=cfg.streams,
                 eager_lr=(cfg.outer.lr if cfg.outer is not None else 1.0) / cfg.sites,  # the site's 1/N share of the average, stepped at the outer lr
             )  # fmt: skip
-            sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None)
+            sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None, on_diverged=site.trainer.reset_state)
             try:
                 site_hash = site.train(sync, shard)
             finally:
@@ -282,6 +287,9 @@ class _Site:
                 self.live.update(round, {self.opts.site_id: at}, force=at.step >= at.steps)
         if self.hooks:
             self.hooks.after_step(round, step, self.schedule.steps_of(round), time.monotonic() - t0)
+            if self.hooks.diverges(round, step, self.schedule.steps_of(round)):
+                with torch.no_grad():  # the first parameter turns NaN; the next steps spread it everywhere
+                    next(self.layout.model.parameters()).mul_(math.nan)
         return loss
 
     def _after_round(self, sync: OuterSync, pending: PendingRound, digest: str) -> None:

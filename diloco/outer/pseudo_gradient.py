@@ -20,6 +20,11 @@ def pseudo_gradient(global_params: Mapping[str, torch.Tensor], local_params: Map
     return {n: global_params[n].detach().float() - local_params[n].detach().float() for n in global_params}
 
 
+def nonfinite_count(tensors: Mapping[str, torch.Tensor]) -> int:
+    """How many values of ``tensors`` are NaN or infinite."""
+    return sum(int(t.numel() - int(torch.isfinite(t).sum())) for t in tensors.values())
+
+
 def apply_update(global_params: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> None:
     """θ += u in place. Sites and the coordinator both call exactly this, so their copies
     of θ stay bit-identical (same operands, same float32 add)."""

@@ -26,6 +26,10 @@ Kinds (``faults.events`` in the run config, a list of mappings):
   push round at_round, every call it makes fails as if the network were cut, for ``seconds``.
 * ``poison_push``: ``site``, ``factor``: from ``at_round`` (default 0) every push of the site
   carries its Δ times factor (a diverged or hostile site; see robust.* for the defences).
+* ``diverge_site``: ``site``, ``at_round``: half-way through the inner phase of round at_round
+  a NaN appears in the site's parameters (an overflow, a bad batch) and its inner phase
+  diverges: the site withholds the round's Δ, restarts from θ with a fresh inner optimizer
+  state, and trains on.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from diloco.codec import get_codec
 from diloco.errors import RemoteError
 from diloco.io import read_jsonl_tolerant
 
-KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site", "poison_push")
+KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site", "poison_push", "diverge_site")
 _PHASES = {"kill_site": ("inner", "push", "pull"), "kill_coordinator": ("between", "mid")}
 _REQUIRED = {
     "kill_site": ("site", "at_round"),
@@ -55,6 +59,7 @@ _REQUIRED = {
     "drop_push": ("prob",),
     "partition_site": ("site", "at_round", "seconds"),
     "poison_push": ("site", "factor"),
+    "diverge_site": ("site", "at_round"),
 }
 _ALLOWED = {
     "kill_site": ("site", "at_round", "phase", "restart_after_s"),
@@ -63,6 +68,7 @@ _ALLOWED = {
     "drop_push": ("prob", "site", "lost"),
     "partition_site": ("site", "at_round", "seconds"),
     "poison_push": ("site", "factor", "at_round"),
+    "diverge_site": ("site", "at_round"),
 }
 
 
@@ -231,6 +237,17 @@ class SiteFaults:
         if step == steps // 2:
             for i, _ in self._events("kill_site", at_round=round, phase="inner"):
                 self.plan.kill(i, round=round, phase="inner", site=self.site)
+
+    def diverges(self, round: int, step: int, steps: int) -> bool:
+        """Whether the site's parameters turn NaN after inner step ``step`` of ``round``
+        (diverge_site: half-way through the phase of its at_round, once)."""
+        if step != steps // 2:
+            return False
+        fired = self._events("diverge_site", at_round=round)
+        for i, _ in fired:
+            self.plan.record(i, round=round, site=self.site)
+            del self.plan.events[i]
+        return bool(fired)
 
     def before_push(self, round: int) -> None:
         for i, e in self._events("partition_site", at_round=round):

@@ -144,6 +144,12 @@ class InnerTrainer:
         self.steps_done += 1
         return value
 
+    def reset_state(self) -> None:
+        """Forgets the optimizer's per-parameter state (AdamW's moments, which a diverged phase
+        filled with NaN): the next step starts them afresh. The lr schedule goes on."""
+        self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
 
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from diloco.codec import CodecConfig, best_settings, codec_config, get_codec, is_lossless
-from diloco.outer import ErrorFeedback, apply_update, params_sha256, pseudo_gradient
+from diloco.outer import ErrorFeedback, apply_update, nonfinite_count, params_sha256, pseudo_gradient
 from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.site.exchange import Assembler, Timeouts, assemble, exchange
 from diloco.site.heartbeat import Heartbeat
@@ -83,6 +83,7 @@ class PendingRound:
     at_push: dict[str, torch.Tensor] | None = None  # merge=delta: the fragment's local values when it was pushed
     outcome: RoundOutcome | None = None
     update: Assembler | None = None
+    diverged: bool = False  # Δ was not finite: the push is withheld and the site restarts from θ
 
 
 class OuterSync:
@@ -91,6 +92,11 @@ class OuterSync:
     The model's parameters are the local θ^s; after ``sync`` they are overwritten with the
     new global θ (the inner optimizer's state is left alone: it stays with the site).
     ``stats.round_hashes`` records the hash of the site's θ after each round it took part in.
+
+    A round whose Δ is not finite (the inner phase diverged: an overflow, a bad batch) is
+    withheld (PushHeader.withheld says why): the round goes on without it, the site loads θ
+    whole and ``on_diverged`` (the caller's: reset the inner optimizer's state, which the NaN
+    reached too) runs before it trains again; ``stats.diverged_rounds`` lists those rounds.
     """
 
     def __init__(
@@ -101,9 +107,11 @@ class OuterSync:
         options: SyncOptions | None = None,
         *,
         before_push: Callable[[int], None] | None = None,
+        on_diverged: Callable[[], None] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model
+        self.on_diverged = on_diverged
         self.client = client
         self.site_id = site_id
         self.options = opts = options or SyncOptions()
@@ -249,8 +257,10 @@ class OuterSync:
         next inner phase starts from θ as known now (delayed), or from θ − eager_lr·Δ with the
         site's own Δ of the round just pushed in place of the average still in flight (eager)."""
         mode = self.options.start_point
-        assert mode in ("delayed", "eager") and (mode == "delayed" or pending.delta is not None)
+        assert mode in ("delayed", "eager") and (mode == "delayed" or pending.delta is not None or pending.diverged)
         start = {n: t.clone() for n, t in self.global_params.items()}
+        if pending.diverged:  # no own Δ to start from: θ as known now
+            mode = "delayed"
         if mode == "eager" and pending.delta is not None:
             for n, d in pending.delta.items():
                 start[n].sub_(d, alpha=self.options.eager_lr)
@@ -258,6 +268,8 @@ class OuterSync:
         HostMirror.load(held, start)
         self.layout.after_pull()
         self._start = start
+        if pending.diverged:
+            self._restart_from_global(pending.header.round)
 
     @contextlib.contextmanager
     def holding_global(self) -> Iterator[None]:
@@ -296,6 +308,11 @@ class OuterSync:
         local = self._host.host({n: h.tensor for n, h in pushed.items()})
         reference = self.global_params if self._start is None else self._start
         delta = pseudo_gradient({n: reference[n] for n in pushed}, local)
+        bad = nonfinite_count(delta)
+        if self.layout.agree(1 if bad else 0):  # every rank of the site withholds, or none
+            return self._withheld(r, names, bad, tokens, inner_steps, t0)
+        if not math.isfinite(train_loss):
+            train_loss = math.nan  # not reported (an infinite loss would make the header invalid)
         own = {n: d.clone() for n, d in delta.items()} if self.options.start_point == "eager" else None
         at_push = None
         if self.options.merge == "delta":  # the fragment's local values now, to re-apply the steps trained until the merge
@@ -316,6 +333,24 @@ class OuterSync:
             residual = ErrorFeedback.error(delta, assemble(chunks, sent).finish())
         times = {"round": r, "delta_s": t1 - t0, "encode_s": time.perf_counter() - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
         return PendingRound(header, chunks, residual, times, names=names, delta=own, parts=parts, at_push=at_push)
+
+    def _withheld(self, r: int, names: tuple[str, ...], bad: int, tokens: int, inner_steps: int, t0: float) -> PendingRound:
+        """The push of a round whose Δ is not finite: a header saying so, no chunks. Every rank
+        sends the same one-part header (the coordinator counts the first, the rest are
+        duplicates); the uplink residual stays as it was."""
+        why = f"its pseudo-gradient is not finite ({bad} values on rank {self.layout.rank}; the inner phase diverged): it restarts from θ"
+        if bad == 0:
+            why = "its pseudo-gradient is not finite on another rank of the site (the inner phase diverged): it restarts from θ"
+        self._log(f"site {self.site_id}: round {r}: {why}")
+        header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=math.nan, inner_steps=inner_steps, withheld=why)
+        times = {"round": r, "delta_s": time.perf_counter() - t0, "encode_s": 0.0, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
+        return PendingRound(header, [], None, times, names=names, parts=[(header, [])], diverged=True)
+
+    def _restart_from_global(self, r: int) -> None:
+        """After a diverged round: the model is θ again; the caller resets what else the NaN reached."""
+        self.stats.diverged_rounds.append(r)
+        if self.on_diverged is not None:
+            self.on_diverged()
 
     def _encode_parts(self, header: PushHeader, delta: dict[str, torch.Tensor], held: dict[str, Box]) -> list[tuple[PushHeader, list[Chunk]]]:
         """The push as one part per stream: Δ's slices striped over ``streams`` parts (numbered
@@ -360,16 +395,22 @@ class OuterSync:
         r = pending.header.round
         outcome = pending.outcome.agreed(self.layout.agree(pending.outcome.bits()))  # every rank goes the same way
         self._eval = None  # sent (or, if the push did not count, a stale evaluation: dropped)
-        if self.feedback is not None and not outcome.dropped and not outcome.refused:
+        if self.feedback is not None and not outcome.dropped and not outcome.refused and not pending.diverged:
             self.feedback.carry(pending.residual)  # only a push that counted moves the residual on
         if not outcome.applied:
-            return self._catch_up(r, outcome)
+            digest = self._catch_up(r, outcome)  # θ whole into the model
+            if pending.diverged and self._start is None:
+                self._restart_from_global(r)
+            return digest
         assert pending.update is not None
         t3 = time.perf_counter()
         apply_update(self.global_params, pending.update.finish())
         self.stats.bytes_down += pending.update.payload_bytes
         pending.times["bytes_down"] = pending.update.payload_bytes
-        if self._start is None:  # else the model is mid-phase from its own start point (restart_phase)
+        if self._start is None and pending.diverged:  # the whole model from θ, nothing of the local values kept
+            self._load_global_into_model()
+            self._restart_from_global(r)
+        elif self._start is None:  # else the model is mid-phase from its own start point (restart_phase)
             whole = self.options.fragments == 1
             self._load_global_into_model(None if whole else pending.names, self.options.alpha, pending.at_push)
         pending.times["apply_s"] = time.perf_counter() - t3  # decoding happened as the chunks arrived (pull_s)

@@ -45,3 +45,23 @@ def test_a_poisoning_site_is_refused_named_and_the_run_goes_on(tmp_path: Path) -
         assert m["tokens"] * 3 == lines[0]["tokens"] * 2 and m["participants"] == ["0", "1", "2"]  # counted: two of three
     assert "site 2: 2 of its pushes refused so far" in (run.run_dir / "logs" / "coordinator.log").read_text()
     assert "not counted by the coordinator" in (run.run_dir / "logs" / "site2.log").read_text()
+
+
+def test_a_site_whose_inner_phase_diverges_withholds_that_round_and_trains_on_from_theta(tmp_path: Path) -> None:
+    # int8 with error feedback: the NaN must reach neither the residual nor the next rounds.
+    run = run_ok(
+        tmp_path / "run", "sites=3", "rounds=4", "sync_every=6", "eval_every=4", "codec=int8",
+        "faults.events=[{kind:diverge_site,site:2,at_round:1}]", timeout=240,
+    )  # fmt: skip
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["rounds_committed"] == 4 and summary["hashes_equal"]
+    lines = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    (withheld,) = lines[1]["withheld"]
+    assert withheld["site"] == "2" and "not finite" in withheld["why"] and "diverged" in withheld["why"]
+    assert lines[1]["tokens"] * 3 == lines[0]["tokens"] * 2 and not lines[1]["rejected"]  # the other two counted
+    for m in (lines[0], *lines[2:]):  # before and after: every site counted, θ finite
+        assert not m.get("withheld") and not m["rejected"] and m["participants"] == ["0", "1", "2"] and m["tokens"] == lines[0]["tokens"]
+    assert all(m["update_norm"] < 1e3 for m in lines) and summary["final_eval_bpb"] < 10
+    worker = json.loads((run.run_dir / "workers" / "2.json").read_text())
+    assert worker["diverged_rounds"] == [1] and worker["dropped_rounds"] == []
+    assert "the inner phase diverged" in (run.run_dir / "logs" / "site2.log").read_text()

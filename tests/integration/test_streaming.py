@@ -184,6 +184,60 @@ def test_a_site_with_another_number_of_fragments_is_refused_at_join(site_factory
         site.client.join("0", site.sync.layout.specs.values(), fragments=1)
 
 
+def test_a_diverged_blocking_round_is_withheld_and_the_site_goes_on_from_theta_by_hand(site_factory) -> None:
+    # H=2, outer SGD lr 0.5, one site. r0: L=-2, Δ=2, G=-1. r1: a NaN after its last step:
+    # withheld, the round (no Δ counted) leaves G=-1, the model is G again and the caller's
+    # reset runs. r2: L=-3, Δ=2, G=-2.
+    site = site_factory(3, SyncOptions(), SGD_HALF)
+    resets: list[int] = []
+    site.sync.on_diverged = lambda: resets.append(site.sync.round)
+    site.step = _diverging(site.step, site.model, at_round=1, last_step=1)  # type: ignore[method-assign]
+    site.run(SyncSchedule(sync_every=2))
+    assert site.pushed == [{A: 2.0, B: 2.0}, {}, {A: 2.0, B: 2.0}]
+    assert site.sync.stats.diverged_rounds == [1] and len(resets) == 1
+    assert _params(site.model) == {A: -2.0, B: -2.0} and site.sync.global_sha256() == site.coordinator.global_sha256()
+    assert site.coordinator.recent_records()[1]["rejected"]
+
+
+@pytest.mark.parametrize(
+    "options, schedule",
+    [
+        (SyncOptions(fragments=2, alpha=0.5), SyncSchedule(sync_every=4, fragments=2, overlap_steps=1)),
+        (SyncOptions(fragments=2, merge="delta"), SyncSchedule(sync_every=4, fragments=2, overlap_steps=1)),
+        (SyncOptions(start_point="eager", eager_lr=0.5), SyncSchedule(sync_every=2, outer_mode="eager")),
+        (SyncOptions(start_point="delayed"), SyncSchedule(sync_every=2, outer_mode="delayed")),
+    ],
+    ids=["overlap-alpha", "overlap-delta", "eager", "delayed"],
+)
+def test_a_diverged_round_leaves_no_nan_behind_in_every_sync_mode(site_factory, options: SyncOptions, schedule: SyncSchedule) -> None:
+    """Whatever merges the site does, after a diverged round it restarts from θ: the model,
+    θ and every later push are finite, and the site's θ is the coordinator's."""
+    site = site_factory(4, options, SGD_HALF)
+    resets: list[int] = []
+    site.sync.on_diverged = lambda: resets.append(1)
+    site.step = _diverging(site.step, site.model, at_round=1, last_step=1)  # type: ignore[method-assign]
+    site.run(schedule)
+    assert site.sync.stats.diverged_rounds == [1] and resets == [1]
+    assert site.pushed[1] == {} and all(all(torch.isfinite(torch.tensor(v)) for v in p.values()) for p in site.pushed)
+    assert all(torch.isfinite(p).all() for p in site.model.parameters())
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+    assert all(torch.isfinite(p).all() for p in site.coordinator.global_params().values())
+
+
+def _diverging(step, model: nn.Module, at_round: int, last_step: int):
+    """``step``, after which (in round ``at_round``, at step ``last_step``) every parameter is NaN."""
+
+    def diverging(round: int, i: int) -> float:
+        loss = step(round, i)
+        if round == at_round and i == last_step:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+        return loss
+
+    return diverging
+
+
 # ---- connection striping ------------------------------------------------------------------
 
 from diloco.data import DataConfig, ShardSampler, load_corpus  # noqa: E402

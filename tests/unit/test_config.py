@@ -54,6 +54,9 @@ def test_bad_values_name_the_field(override: dict, field: str) -> None:
         ({"events": [{"kind": "slow_site", "site": 0, "factor": 2, "lost": True}]}, "slow_site takes no lost"),
         ({"events": [{"kind": "kill_site", "site": 0, "at_round": 1, "phase": "lunch"}]}, "phase='lunch'"),
         ({"events": [{"kind": "slow_site", "site": 0, "factor": 2, "seconds": 3}]}, "slow_site takes no seconds"),
+        ({"events": [{"kind": "diverge_site", "site": 0}]}, "faults.events[0]: diverge_site needs at_round"),
+        ({"events": [{"kind": "diverge_site", "site": 0, "at_round": 1, "factor": 2}]}, "diverge_site takes no factor"),
+        ({"events": [{"kind": "diverge_site", "site": 7, "at_round": 1}]}, "faults.events[0].site=7"),
         ({"colour": 1}, "faults.colour"),
     ],
 )
