@@ -5,8 +5,10 @@ For the dense codecs (whose measured best is DiLoCo's Nesterov SGD), a run that 
 
     lr = AUTO_LR, momentum = AUTO_MOMENTUM, momentum_warmup = min(AUTO_MOMENTUM_WARMUP, rounds)
 
-(Nesterov SGD, no lr schedule). The constants and the sweeps behind them: docs/outer.md.
-A run that sets any of those keys, or ``outer.auto=false``, gets exactly what it wrote, the
+(Nesterov SGD), and from AUTO_DECAY_FROM rounds on a cosine lr decay to AUTO_LR_MIN_RATIO × lr
+over the run (shorter runs: no lr schedule). The constants and the sweeps behind them:
+docs/outer.md.
+A run that sets any of those keys (or ``lr_decay``, ``lr_min_ratio``), or ``outer.auto=false``, gets exactly what it wrote, the
 codec's best filling the rest (Nesterov SGD, lr 0.7, momentum 0.9 for dense codecs).
 """
 
@@ -17,12 +19,19 @@ from typing import Any
 AUTO_LR = 1.0
 AUTO_MOMENTUM = 0.9
 AUTO_MOMENTUM_WARMUP = 10  # rounds
-RULE_KEYS = ("name", "lr", "momentum", "nesterov", "momentum_warmup")  # setting any of these turns the rule off
+AUTO_DECAY_FROM = 60  # rounds: runs this long or longer get the lr decay (at 30 it hurt: docs/outer.md)
+AUTO_LR_MIN_RATIO = 0.1  # the decay ends at this share of lr
+# Setting any of these turns the rule off.
+RULE_KEYS = ("name", "lr", "momentum", "nesterov", "momentum_warmup", "lr_decay", "lr_min_ratio")
 
 
 def auto_outer(rounds: int) -> dict[str, Any]:
     """The outer settings the rule gives a run of ``rounds`` rounds."""
-    return {"lr": AUTO_LR, "momentum": AUTO_MOMENTUM, "momentum_warmup": min(AUTO_MOMENTUM_WARMUP, max(int(rounds), 0))}
+    rounds = max(int(rounds), 0)
+    rule: dict[str, Any] = {"lr": AUTO_LR, "momentum": AUTO_MOMENTUM, "momentum_warmup": min(AUTO_MOMENTUM_WARMUP, rounds)}
+    if rounds >= AUTO_DECAY_FROM:
+        rule.update(lr_decay="cosine", lr_min_ratio=AUTO_LR_MIN_RATIO)
+    return rule
 
 
 def applies(auto: bool, codec_best: dict[str, Any], given: dict[str, Any]) -> bool:
