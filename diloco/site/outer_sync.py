@@ -259,9 +259,7 @@ class OuterSync:
         mode = self.options.start_point
         assert mode in ("delayed", "eager") and (mode == "delayed" or pending.delta is not None or pending.diverged)
         start = {n: t.clone() for n, t in self.global_params.items()}
-        if pending.diverged:  # no own Δ to start from: θ as known now
-            mode = "delayed"
-        if mode == "eager" and pending.delta is not None:
+        if mode == "eager" and pending.delta is not None:  # a diverged round has none: θ as known now
             for n, d in pending.delta.items():
                 start[n].sub_(d, alpha=self.options.eager_lr)
         held = {n: h.tensor for n, h in self.layout.held().items()}
@@ -338,9 +336,8 @@ class OuterSync:
         """The push of a round whose Δ is not finite: a header saying so, no chunks. Every rank
         sends the same one-part header (the coordinator counts the first, the rest are
         duplicates); the uplink residual stays as it was."""
-        why = f"its pseudo-gradient is not finite ({bad} values on rank {self.layout.rank}; the inner phase diverged): it restarts from θ"
-        if bad == 0:
-            why = "its pseudo-gradient is not finite on another rank of the site (the inner phase diverged): it restarts from θ"
+        where = f"{bad} values on rank {self.layout.rank}" if bad else "on another rank of the site"
+        why = f"its pseudo-gradient is not finite ({where}; the inner phase diverged): it restarts from θ"
         self._log(f"site {self.site_id}: round {r}: {why}")
         header = PushHeader(site_id=self.site_id, round=r, tokens=tokens, train_loss=math.nan, inner_steps=inner_steps, withheld=why)
         times = {"round": r, "delta_s": time.perf_counter() - t0, "encode_s": 0.0, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
