@@ -35,6 +35,7 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
     "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},
     "eager": {"outer_mode": "eager"},
+    "eager w=1": {"outer_mode": "eager", "eager_weight": 1.0},
     "delayed": {"outer_mode": "delayed"},
 }
 

@@ -21,6 +21,7 @@ from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.observe.config import MetricsConfig
+from diloco.outer.eager import EAGER_WEIGHT
 from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, SiteStep
 from diloco.observe.site_observer import SiteObserver
 from diloco.site.checkpoint import SiteCheckpointer
@@ -182,7 +183,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
                 fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
                 streams=cfg.streams,
-                eager_lr=(cfg.outer.lr if cfg.outer is not None else 1.0) / cfg.sites,  # the site's 1/N share of the average, stepped at the outer lr
+                outer=cfg.outer if cfg.outer_mode == "eager" else None, eager_weight=cfg.eager_weight if cfg.eager_weight is not None else EAGER_WEIGHT,
             )  # fmt: skip
             sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None, on_diverged=site.trainer.reset_state)
             try:
@@ -301,8 +302,9 @@ class _Site:
         counts = self.fragment_bytes.setdefault(fragment, {"up": 0, "down": 0})
         counts["up"] += int(pending.times.get("bytes_up", 0))
         counts["down"] += int(pending.times.get("bytes_down", 0))
-        # After a dropped round the site continues at the open round's place in the schedule
-        # (with overlap, plus the steps it trained since the push).
+        # The lr schedule's place: the open round's, plus the steps trained since the push (with
+        # overlap, τ of them; under eager/delayed a round lands after the next phase: all of
+        # it). After a dropped round the site continues at the open round's place.
         self.trainer.steps_done = self.schedule.steps_before(sync.round) + self.loop.phase_steps
         if self.checkpointer and not sync.finished:
             self.checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)

@@ -55,6 +55,13 @@ class OuterConfig:
     def schedule(self) -> OuterSchedule:
         return OuterSchedule(self.lr_warmup, self.lr_decay, self.lr_min_ratio, self.momentum_warmup)
 
+    def settings_at(self, k: int, steps: int) -> dict[str, float]:
+        """The lr and momentum of outer step ``k`` of ``steps`` ({} without a schedule)."""
+        schedule = self.schedule
+        if not schedule.active:
+            return {}
+        return {"lr": schedule.lr(self.lr, k, steps), "momentum": schedule.momentum(self.momentum, k)}
+
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         kwargs: dict[str, Any] = {"lr": self.lr, **dict(self.kwargs)}
         if self.name == "DelayedNesterov":
@@ -127,10 +134,7 @@ class OuterOptimizer:
 
     def hyperparameters(self, round: int) -> dict[str, float]:
         """The lr and momentum of round ``round``'s outer step ({} without a schedule)."""
-        if not self._schedule.active:
-            return {}
-        k = round // self.fragments
-        return {"lr": self._schedule.lr(self.cfg.lr, k, int(self.steps or 1)), "momentum": self._schedule.momentum(self.cfg.momentum, k)}
+        return self.cfg.settings_at(round // self.fragments, int(self.steps or 1))
 
     def step(
         self,

@@ -63,7 +63,9 @@ class RoundLoop:
         self._step, self._tokens_per_step, self._on_round, self._mean, self._budget_s = step, tokens_per_step, on_round, mean, budget_s
         self.inflight = InFlight(sync) if schedule.overlapped else None
         self.stats = LoopStats()
-        self.phase_steps = 0  # steps of the current inner phase so far
+        # Steps of the phase being trained, or of the one just trained until its push: what
+        # the site has trained beyond the rounds before it (site.py sets its lr schedule from it).
+        self.phase_steps = 0
         self.steps_per_round: dict[int, int] = {}  # inner steps per round pushed (fewer than H/F under budget_s)
         self.last_loss: dict[int, float] = {}  # the last inner loss of each round's phase
 
@@ -81,6 +83,7 @@ class RoundLoop:
                 # A flush round (no steps) weighs 1 token per site: the sites' Δs count equally.
                 loss = self._mean(sum(losses) / len(losses)) if losses else math.nan
                 pending = sync.begin(tokens=max(1, len(losses) * self._tokens_per_step), train_loss=loss, inner_steps=len(losses))
+                self.phase_steps = 0  # its steps are in the round pushed now
                 if inflight is None:
                     t = time.perf_counter()
                     digest = sync.finish(sync.exchange(pending))
@@ -131,5 +134,4 @@ class RoundLoop:
                 break
         if losses:
             self.last_loss[round] = losses[-1]
-        self.phase_steps = 0
         return losses

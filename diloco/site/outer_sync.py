@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from diloco.codec import CodecConfig, best_settings, codec_config, get_codec, is_lossless
-from diloco.outer import ErrorFeedback, apply_update, nonfinite_count, params_sha256, pseudo_gradient
+from diloco.outer import ErrorFeedback, OuterConfig, apply_update, nonfinite_count, params_sha256, pseudo_gradient
+from diloco.outer.eager import EAGER_WEIGHT, EagerStart, check_eager_outer
 from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.site.exchange import Assembler, Timeouts, assemble, exchange
 from diloco.site.heartbeat import Heartbeat
@@ -51,10 +52,12 @@ class SyncOptions:
     merge: str = "alpha"
     # Where each round's Δ is measured from: "global" (θ, DiLoCo and streaming), or the inner
     # phase's own start point, which the site sets when it pushes without waiting for the
-    # round: "delayed" (θ as known then, one round old) or "eager" (that θ moved by the site's
-    # own fresh Δ, scaled by eager_lr, in place of the average still in flight).
+    # round: "delayed" (θ as known then, one round old) or "eager" (that θ plus what the outer
+    # step makes of the site's own Δ, weighted eager_weight, in place of the average still in
+    # flight: diloco.outer.eager).
     start_point: str = "global"
-    eager_lr: float = 1.0
+    outer: OuterConfig | None = None  # eager: the run's outer step, which the look-ahead follows
+    eager_weight: float = EAGER_WEIGHT  # eager: the own Δ's weight in the stand-in for the mean in flight
     streams: int = 1  # connection striping: each push and pull over this many concurrent streams (the client needs as many)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,12 @@ class SyncOptions:
             raise ValueError(f"merge={self.merge!r}: must be alpha or delta")
         if self.start_point not in ("global", "delayed", "eager"):
             raise ValueError(f"start_point={self.start_point!r}: must be global, delayed or eager")
+        if self.start_point == "eager":
+            if self.outer is None:
+                raise ValueError("start_point=eager needs the run's outer step (SyncOptions.outer)")
+            check_eager_outer(self.outer)
+            if not 0 < self.eager_weight <= 1:
+                raise ValueError(f"eager_weight={self.eager_weight}: must be in (0, 1]")
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
             raise ValueError(f"streams={self.streams!r}: must be an integer >= 1")
 
@@ -141,6 +150,7 @@ class OuterSync:
         self.uploaded_init = False  # this site sent θ₀ (init=site)
         self.split = split_fragments({n: s.shape for n, s in self._specs.items()}, opts.fragments)
         self._start: dict[str, torch.Tensor] | None = None  # the inner phase's start point (start_point delayed/eager)
+        self._lookahead: EagerStart | None = None  # eager: the outer step in flight, looked ahead
 
     @property
     def residual(self) -> dict[str, torch.Tensor] | None:
@@ -254,20 +264,27 @@ class OuterSync:
 
     def restart_phase(self, pending: PendingRound) -> None:
         """start_point delayed/eager, right after pushing ``pending`` without waiting for it: the
-        next inner phase starts from θ as known now (delayed), or from θ − eager_lr·Δ with the
-        site's own Δ of the round just pushed in place of the average still in flight (eager)."""
+        next inner phase starts from θ as known now (delayed), or from θ moved by the outer step
+        still in flight, looked ahead with the site's own Δ standing in for (a share of) the
+        mean (eager: diloco.outer.eager). After a diverged round (no Δ) it starts from θ."""
         mode = self.options.start_point
         assert mode in ("delayed", "eager") and (mode == "delayed" or pending.delta is not None or pending.diverged)
         start = {n: t.clone() for n, t in self.global_params.items()}
-        if mode == "eager" and pending.delta is not None:  # a diverged round has none: θ as known now
-            for n, d in pending.delta.items():
-                start[n].sub_(d, alpha=self.options.eager_lr)
+        if mode == "eager" and pending.delta is not None:
+            for n, o in self._eager().offset(pending.header.round, pending.delta).items():
+                start[n].add_(o)
         held = {n: h.tensor for n, h in self.layout.held().items()}
         HostMirror.load(held, start)
         self.layout.after_pull()
         self._start = start
         if pending.diverged:
             self._restart_from_global(pending.header.round)
+
+    def _eager(self) -> EagerStart:
+        if self._lookahead is None:
+            assert self.options.outer is not None
+            self._lookahead = EagerStart(self.options.outer, self.total_rounds, self.options.eager_weight)
+        return self._lookahead
 
     @contextlib.contextmanager
     def holding_global(self) -> Iterator[None]:
@@ -401,7 +418,10 @@ class OuterSync:
             return digest
         assert pending.update is not None
         t3 = time.perf_counter()
-        apply_update(self.global_params, pending.update.finish())
+        update = pending.update.finish()
+        apply_update(self.global_params, update)
+        if self.options.start_point == "eager":
+            self._eager().observe(r, update)
         self.stats.bytes_down += pending.update.payload_bytes
         pending.times["bytes_down"] = pending.update.payload_bytes
         if self._start is None and pending.diverged:  # the whole model from θ, nothing of the local values kept
@@ -421,6 +441,8 @@ class OuterSync:
     def _catch_up(self, r: int, outcome: RoundOutcome) -> str:
         """Loads θ whole (this rank's slices of it), the site's leader joining again first when
         the coordinator asked for it."""
+        if self.options.start_point == "eager":
+            self._eager().missed(r)
         if outcome.merged:
             self.stats.merged_rounds.append(r)
         if outcome.dropped:

@@ -49,6 +49,8 @@ class Site:
         self.sync = OuterSync(self.model, self.client, "0", options)
         self.pushed: list[dict[str, float]] = []  # Δ of each round, as computed
         self.phase_starts: list[dict[str, float]] = []  # the model when each inner phase began
+        self.steps_taken = 0
+        self.places: list[tuple[int, int]] = []  # at each landed round: (the schedule's place, the steps taken)
         begin = self.sync.begin
 
         def recording_begin(**kw: object) -> object:
@@ -59,6 +61,7 @@ class Site:
         self.sync.begin = recording_begin  # type: ignore[method-assign]
 
     def step(self, _round: int, step: int) -> float:
+        self.steps_taken += 1
         if step == 0:
             self.phase_starts.append(_params(self.model))
         with torch.no_grad():
@@ -68,7 +71,12 @@ class Site:
 
     def run(self, schedule: SyncSchedule) -> RoundLoop:
         self.sync.join()
-        loop = RoundLoop(self.sync, schedule, self.step, tokens_per_step=1)
+
+        def landed(_pending: object, _digest: str) -> None:
+            # what the site's lr schedule is told (site.py) against the steps really taken
+            self.places.append((schedule.steps_before(self.sync.round) + loop.phase_steps, self.steps_taken))
+
+        loop = RoundLoop(self.sync, schedule, self.step, tokens_per_step=1, on_round=landed)
         loop.run()
         return loop
 
@@ -111,6 +119,7 @@ def test_two_fragments_overlap_one_step_alpha_half_by_hand(site_factory) -> None
     assert site.sync.global_sha256() == site.coordinator.global_sha256()
     assert loop.steps_per_round == {0: 2, 1: 2, 2: 2, 3: 2}
     assert site.coordinator.fragments == ((A,), (B,))
+    assert site.places == [(3, 3), (5, 5), (7, 7), (8, 8)]  # each lands τ=1 step into the next phase
 
 
 def test_the_delta_merge_keeps_the_overlapped_steps(site_factory) -> None:
@@ -145,10 +154,13 @@ SGD_MOMENTUM = OuterConfig(name="SGD", lr=0.5, momentum=0.5, nesterov=False)
 @pytest.mark.parametrize(
     "mode, starts",
     [
-        # eager (1 site: eager_lr = lr / 1 = 0.5): each phase starts from θ − 0.5 Δ_own.
-        # p0=0; phase 0 -> -2, Δ0=2, p1=0-1=-1. phase 1 -> -3; land r0: buf=2, G=-1; Δ1=-1+3=2; p2=-1-1=-2.
-        # phase 2 -> -4; land r1: buf=.5*2+2=3, G=-1-1.5=-2.5; Δ2=-2+4=2; p3 (unused).
-        ("eager", [0.0, -1.0, -2.0]),
+        # eager (1 site, weight 1: the own Δ stands in for the whole mean): each phase starts
+        # from θ moved by the outer step in flight, SGD(lr .5, momentum .5) taken with the own Δ
+        # and the coordinator's buffer as recovered from the updates. p0=0; phase 0 -> -2, Δ0=2:
+        # buf=2, p1=0-.5*2=-1. Phase 1 -> -3; land r0: u=-1, so g=2, buf=2, G=-1; Δ1=-1+3=2:
+        # buf .5*2+2=3, p2=-1-1.5=-2.5. Phase 2 -> -4.5; land r1: buf=3, G=-2.5; Δ2=2.
+        # With one site these are blocking DiLoCo's start points.
+        ("eager", [0.0, -1.0, -2.5]),
         # delayed: each phase starts from θ as known (one round old): p1=0, p2=G after r0=-1.
         ("delayed", [0.0, 0.0, -1.0]),
     ],
@@ -157,13 +169,16 @@ def test_eager_and_delayed_start_points_by_hand(site_factory, mode: str, starts:
     # Both push Δ = 2 every round (the phase's own progress); the coordinator's θ is then the
     # same SGD(lr .5, momentum .5) sequence: G = -1, -2.5, then buf=.5*3+2=3.5 -> -4.25; the
     # model ends at θ.
-    site = site_factory(3, SyncOptions(start_point=mode, eager_lr=0.5), SGD_MOMENTUM)
+    site = site_factory(3, SyncOptions(start_point=mode, outer=SGD_MOMENTUM, eager_weight=1.0), SGD_MOMENTUM)
     loop = site.run(SyncSchedule(sync_every=2, outer_mode=mode))
     assert [s[A] for s in site.phase_starts] == starts
     assert [p[A] for p in site.pushed] == [2.0, 2.0, 2.0]
     assert _params(site.model) == {A: -4.25, B: -4.25}
     assert site.sync.global_sha256() == site.coordinator.global_sha256()
     assert loop.stats.stall_s >= 0 and loop.stats.compute_utilization is not None
+    # A round lands after the next phase: the lr schedule is told every step taken (it was
+    # told one phase fewer, so each phase ran at the lr of the one before).
+    assert site.places == [(4, 4), (6, 6), (6, 6)]
 
 
 def test_a_push_of_another_fragment_is_refused_saying_so(site_factory) -> None:
@@ -204,7 +219,7 @@ def test_a_diverged_blocking_round_is_withheld_and_the_site_goes_on_from_theta_b
     [
         (SyncOptions(fragments=2, alpha=0.5), SyncSchedule(sync_every=4, fragments=2, overlap_steps=1)),
         (SyncOptions(fragments=2, merge="delta"), SyncSchedule(sync_every=4, fragments=2, overlap_steps=1)),
-        (SyncOptions(start_point="eager", eager_lr=0.5), SyncSchedule(sync_every=2, outer_mode="eager")),
+        (SyncOptions(start_point="eager", outer=SGD_HALF), SyncSchedule(sync_every=2, outer_mode="eager")),
         (SyncOptions(start_point="delayed"), SyncSchedule(sync_every=2, outer_mode="delayed")),
     ],
     ids=["overlap-alpha", "overlap-delta", "eager", "delayed"],

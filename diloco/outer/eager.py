@@ -1,0 +1,105 @@
+"""Eager outer steps (arXiv 2502.12996): the next inner phase starts from a look-ahead of the
+outer step still in flight.
+
+Under ``outer_mode=eager`` a site pushes round k's Δ_k and starts the next inner phase without
+waiting for the round; its mean lands one phase later. The paper's worker steps its own outer
+optimizer at once with a stand-in for the missing mean (its own fresh Δ_k and the other
+workers' Δ_{k−1}, each weighted 1/N), so every worker's outer state is its own.
+
+Here θ stays one sequence, the coordinator's, bit-identical on every site; only the start
+point of the site's next phase is its own: θ_k moved by outer step k *as the coordinator will
+take it* (the rates of round k, its momentum buffer as it stands), with x_k = w·Δ_k(own) in
+place of the mean. A site knows the coordinator's momentum buffer without being sent it: the
+update ũ_r it applies each round is the outer step's, so for torch's SGD (plain, heavy ball or
+Nesterov) ũ_r and the rates of round r give that round's mean g_r and the buffer after it
+(``observe``), the same recursion the optimizer ran.
+
+So with one site and w = 1 every phase starts where blocking DiLoCo's would (up to the
+codecs' rounding; tests/unit/test_eager_share.py), and the momentum, which carries each mean
+over the rounds after it (a gain of about lr/(1 − μ)), is in the look-ahead. With N sites and
+w = 1 the sites' start points scatter around blockings by (1 + μ)·lr times each site's own
+deviation from the mean; w < 1 trades that scatter for a lag. The paper's stand-in (the
+others' Δ_{k−1} added back, w = 1/N) and a w fitted each round both measured worse than a
+fixed w (docs/streaming.md), so the stand-in is the site's own Δ alone.
+
+When the site lacks a piece (a round it caught up on without its update: the buffer is
+carried by the momentum alone), the look-ahead is what it has: only the start point is
+affected, never θ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from diloco.outer.optimizer import OuterConfig
+
+EAGER_WEIGHT = 0.5  # w: the best of 0.25 (with the paper's others), 0.5, 1 and a fitted w at 10 rounds (docs/streaming.md)
+ALLOWED_KWARGS = ("foreach",)  # anything else (weight_decay, dampening, maximize) changes the step's rule
+
+
+def check_eager_outer(cfg: OuterConfig) -> None:
+    """Refuses an outer step the look-ahead cannot follow, naming the field."""
+    if cfg.name != "SGD":
+        raise ValueError(f"outer_mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name={cfg.name})")
+    extra = sorted(set(cfg.kwargs) - set(ALLOWED_KWARGS))
+    if extra:
+        raise ValueError(f"outer_mode=eager cannot follow an outer step with outer.kwargs.{extra[0]}={cfg.kwargs[extra[0]]!r}")
+
+
+class EagerStart:
+    """A site's look-ahead of the outer step in flight (tensors: name -> float32, this rank's
+    slices). ``observe`` each landed round's update, in order; ``offset`` after each push."""
+
+    def __init__(self, cfg: OuterConfig, steps: int, weight: float) -> None:
+        check_eager_outer(cfg)
+        if not 0 < weight <= 1:
+            raise ValueError(f"eager weight={weight}: must be in (0, 1]")
+        self.cfg, self.steps, self.weight = cfg, max(int(steps), 1), float(weight)
+        self.nesterov = cfg.nesterov and cfg.momentum > 0  # as OuterConfig.build makes the optimizer
+        self.buffer: dict[str, torch.Tensor] | None = None  # the coordinator's momentum buffer (None: it has none yet)
+        self.mean: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, its mean Δ) of the last round observed
+
+    def _rates(self, k: int) -> tuple[float, float]:
+        settings = self.cfg.settings_at(k, self.steps)
+        return float(settings.get("lr", self.cfg.lr)), float(settings.get("momentum", self.cfg.momentum))
+
+    def _step(self, g: dict[str, torch.Tensor], k: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """torch's SGD step direction for gradient ``g`` at round ``k`` (before × −lr), and the
+        momentum buffer after it."""
+        _, mu = self._rates(k)
+        if mu == 0:
+            return g, self.buffer
+        buffer = {n: g[n].clone() if self.buffer is None else self.buffer[n] * mu + g[n] for n in g}
+        return ({n: g[n] + mu * buffer[n] for n in g} if self.nesterov else buffer), buffer
+
+    def observe(self, k: int, update: Mapping[str, torch.Tensor]) -> None:
+        """Round ``k`` landed with update ũ_k: recovers its mean Δ and the buffer after it."""
+        lr, mu = self._rates(k)
+        u = {n: -update[n].float() / lr for n in update}  # the step direction
+        if mu == 0:
+            g = u
+        elif self.buffer is None:  # torch makes the buffer from this gradient: direction (1 + μ)·g (Nesterov) or g
+            g = {n: v / (1 + mu) for n, v in u.items()} if self.nesterov else u
+        elif self.nesterov:  # direction = g + μ·(μ·b + g)
+            g = {n: (v - mu * mu * self.buffer[n]) / (1 + mu) for n, v in u.items()}
+        else:  # direction = μ·b + g
+            g = {n: v - mu * self.buffer[n] for n, v in u.items()}
+        _, self.buffer = self._step(g, k)
+        self.mean = (k, g)
+
+    def missed(self, k: int) -> None:
+        """Round ``k`` landed but the site did not see its update (it caught up on θ whole): the
+        buffer goes on by the momentum alone, and no mean is known."""
+        _, mu = self._rates(k)
+        if self.buffer is not None and mu > 0:
+            self.buffer = {n: b * mu for n, b in self.buffer.items()}
+        self.mean = None
+
+    def offset(self, k: int, own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """After pushing round ``k`` with the site's Δ_k: the look-ahead θ_k → start point, as an
+        offset to add to θ_k (the site's θ holds rounds 0 .. k−1)."""
+        direction, _ = self._step({n: self.weight * d.float() for n, d in own.items()}, k)
+        lr, _ = self._rates(k)
+        return {n: -lr * v for n, v in direction.items()}
