@@ -33,6 +33,7 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=5 delta": {"fragments": 5, "overlap_steps": 5, "merge": "delta"},
     "streaming F=5 τ=1 delta": {"fragments": 5, "overlap_steps": 1, "merge": "delta"},
     "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
+    "streaming F=5 τ=4 delta": {"fragments": 5, "overlap_steps": 4, "merge": "delta"},
     "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},
     "eager": {"outer_mode": "eager"},
     "eager w=1": {"outer_mode": "eager", "eager_weight": 1.0},
@@ -67,20 +68,21 @@ def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path
     }
 
 
-def straggle_of(blocking: dict[str, Any], sync_every: int) -> float:
-    """The sites' straggle (diloco-plan's ``straggle``) as a blocking run measured it: the
-    sites' mean wait for the round to close (median per site) over an inner phase."""
-    waits = [t["wait_s"] for t in blocking["sync_s_median"]]
-    return statistics.mean(waits) / (sync_every * blocking["step_s"])
+def straggle_of(blocking: dict[str, Any], sync_every: int) -> tuple[float, float]:
+    """The sites' straggle as a blocking run measured it: the sites' mean wait for the round to
+    close (median per site), over an inner phase (diloco-plan's ``straggle``) and in seconds
+    per sync (its ``straggle_s``)."""
+    wait = statistics.mean(t["wait_s"] for t in blocking["sync_s_median"])
+    return wait / (sync_every * blocking["step_s"]), wait
 
 
-def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float, straggle: float = 0.0) -> dict[str, Any]:
+def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float, straggle: float = 0.0, straggle_s: float = 0.0) -> dict[str, Any]:
     """diloco-plan's prediction for the run, from its own measured step time and payload bits."""
     bits = 8 * r["bytes_up_per_push"] * extra.get("fragments", 1) / r["params"]
     plan = Plan(
         params=r["params"], step_s=r["step_s"], sync_every=base["sync_every"], bits=bits, fragments=extra.get("fragments", 1),
         overlap_steps=extra.get("overlap_steps", 0), outer_mode=extra.get("outer_mode", "blocking"), sites=base["sites"],
-        bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle,
+        bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle, straggle_s=straggle_s,
     )  # fmt: skip
     p = predict(plan)
     run = run_utilization(plan, base["rounds"])
@@ -89,7 +91,8 @@ def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbi
 
 
 def replan(files: list[Path], straggle_from: Path | None) -> int:
-    """Each measured row beside diloco-plan's prediction without and with the sites' straggle."""
+    """Each measured row beside diloco-plan's prediction without the sites' straggle, with it as
+    a fraction of the steps between syncs (``straggle``) and in seconds per sync (``straggle_s``)."""
     source = json.loads(straggle_from.read_text()) if straggle_from else None
     for path in files:
         results = json.loads(path.read_text())
@@ -97,16 +100,19 @@ def replan(files: list[Path], straggle_from: Path | None) -> int:
         base = {"sites": a["sites"], "sync_every": a["sync_every"], "rounds": a["rounds"]}
         overhead = results.get("overhead_s") or results.get("loopback_blocking", {}).get("overhead_s")
         blocking = (source or results)["runs"]["blocking"]
-        straggle = straggle_of(blocking, a["sync_every"])
-        print(f"{path}: {a['bandwidth_mbit']:g} Mbit/s, {a['rtt_ms']:g} ms; overhead {overhead} s; straggle {straggle:.4f} (from {straggle_from or path}'s blocking run)")
+        straggle, straggle_s = straggle_of(blocking, a["sync_every"])
+        print(f"{path}: {a['bandwidth_mbit']:g} Mbit/s, {a['rtt_ms']:g} ms, {a['rounds']} rounds; overhead {overhead} s; straggle {straggle:.4f} = {straggle_s:.3f} s per sync (from {straggle_from or path}'s blocking run)")
         for name, r in results["runs"].items():
             plain = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead)
-            with_straggle = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead, straggle)
+            frac = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead, straggle=straggle)
+            secs = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead, straggle_s=straggle_s)
             u, t = r["compute_utilization"]["run"], r["utilization_until_last_step"]["run"]
             print(
                 f"  {name:<24} measured {u:.3f} / {t:.3f}   planned {plain['run_utilization']:.3f} / {plain['utilization_until_last_step']:.3f}"
-                f"   with straggle {with_straggle['run_utilization']:.3f} / {with_straggle['utilization_until_last_step']:.3f}"
-                f"   gaps {100 * (with_straggle['run_utilization'] - u):+.1f} / {100 * (with_straggle['utilization_until_last_step'] - t):+.1f} pts"
+                f"   straggle {frac['run_utilization']:.3f} / {frac['utilization_until_last_step']:.3f}"
+                f" ({100 * (frac['run_utilization'] - u):+.1f} / {100 * (frac['utilization_until_last_step'] - t):+.1f} pts)"
+                f"   straggle_s {secs['run_utilization']:.3f} / {secs['utilization_until_last_step']:.3f}"
+                f" ({100 * (secs['run_utilization'] - u):+.1f} / {100 * (secs['utilization_until_last_step'] - t):+.1f} pts)"
             )
     return 0
 

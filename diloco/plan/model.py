@@ -59,6 +59,9 @@ class Plan:
     # site, as a fraction (0.02: 2%): each sync waits that long for the slowest site's push.
     # 0: identical sites arriving together.
     straggle: float = 0.0
+    # The same wait in seconds per sync, whatever the steps between syncs: the sites' arrival
+    # jitter at each barrier (shared hardware, the OS's scheduling). Adds to ``straggle``.
+    straggle_s: float = 0.0
     mode: str = "diloco"  # diloco | ddp (all-reduce of the gradients every step)
     topology: str = "coordinator"  # coordinator (this project) | allreduce (ring among the sites)
     layers: int | None = None  # allreduce/ddp: the sync follows the backward pass layer by layer
@@ -187,6 +190,7 @@ def _field_problems(p: Plan) -> str | None:
         _non_negative("rtt_ms", p.rtt_ms),
         _non_negative("overhead_s", p.overhead_s),
         _non_negative("straggle", p.straggle),
+        _non_negative("straggle_s", p.straggle_s),
         None if p.layers is None else _integer("layers", p.layers, 1),
         None if _is_number(p.backward_fraction) and 0 <= p.backward_fraction < 1 else f"backward_fraction={p.backward_fraction!r}: must be a number in [0, 1)",
         None if _is_number(p.mfu) and 0 < p.mfu <= 1 else f"mfu={p.mfu!r}: must be a number in (0, 1]",
@@ -282,7 +286,7 @@ def _link(p: Plan) -> _Link:
         rate, latency = min(p.bandwidth_gbit, coord / n), 2 * rtt
         neck = "the site's own link" if p.bandwidth_gbit <= coord / n else f"the coordinator's link shared by {n} sites"
     s_per_param = 0.0 if math.isinf(rate) else bits / (rate * 1e9)
-    straggle_s = p.straggle * p.compute_step_s * p.steps_per_round / p.syncs_per_round
+    straggle_s = p.straggle * p.compute_step_s * p.steps_per_round / p.syncs_per_round + p.straggle_s
     return _Link(s_per_param, latency, float(p.overhead_s), straggle_s, rate, neck, sent, received)
 
 

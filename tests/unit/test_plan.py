@@ -87,6 +87,16 @@ def test_the_slowest_sites_straggle_is_waited_for_whatever_the_overlap() -> None
     assert predict(replace(BASE, outer_mode="eager", straggle=0.02)).stall_s == pytest.approx(0.2)
 
 
+def test_a_straggle_in_seconds_is_paid_at_every_sync_whatever_its_interval() -> None:
+    # straggle_s 0.2: each of the 4 fragment syncs waits 0.2 s (not a quarter of it), on top of
+    # the fractional straggle; τ = 9 hides the transfer only.
+    hidden = predict(replace(BASE, fragments=4, overlap_steps=9, straggle_s=0.2))
+    assert hidden.stall_s == pytest.approx(4 * 0.2) and hidden.utilization == pytest.approx(10 / 10.8)
+    both = predict(replace(BASE, fragments=4, overlap_steps=9, straggle=0.02, straggle_s=0.2))
+    assert both.stall_s == pytest.approx(4 * (0.05 + 0.2))
+    assert predict(replace(BASE, straggle_s=0.2)).stall_s == pytest.approx(2.0 + 0.2)
+
+
 @pytest.mark.parametrize("outer_mode", ["eager", "delayed"])
 def test_eager_and_delayed_overlap_the_whole_next_inner_phase(outer_mode: str) -> None:
     assert predict(replace(BASE, outer_mode=outer_mode)).utilization == 1.0  # 2 s under 10 s of compute
@@ -215,6 +225,7 @@ BAD = [
     ({"rtt_ms": -1.0}, "rtt_ms=-1.0: must be a finite number >= 0"),
     ({"overhead_s": -0.1}, "overhead_s=-0.1"),
     ({"straggle": -0.01}, "straggle=-0.01"),
+    ({"straggle_s": -0.5}, "straggle_s=-0.5"),
     ({"fragments": 4, "overlap_steps": 25}, "overlap_steps=25: must be below sync_every/fragments = 25"),
     ({"overlap_steps": 100}, "overlap_steps=100"),
     ({"overlap_steps": -1}, "overlap_steps=-1: must be an integer >= 0"),
