@@ -34,6 +34,8 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=1 delta": {"fragments": 5, "overlap_steps": 1, "merge": "delta"},
     "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
     "streaming F=5 τ=4 delta": {"fragments": 5, "overlap_steps": 4, "merge": "delta"},
+    "streaming F=2 τ=10 delta": {"fragments": 2, "overlap_steps": 10, "merge": "delta"},
+    "overlap F=1 τ=25 delta": {"overlap_steps": 25, "merge": "delta"},
     "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},
     "eager": {"outer_mode": "eager"},
     "eager w=1": {"outer_mode": "eager", "eager_weight": 1.0},

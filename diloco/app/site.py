@@ -306,7 +306,9 @@ class _Site:
         # overlap, τ of them; under eager/delayed a round lands after the next phase: all of
         # it). After a dropped round the site continues at the open round's place.
         self.trainer.steps_done = self.schedule.steps_before(sync.round) + self.loop.phase_steps
-        if self.checkpointer and not sync.finished:
+        # With fragments, after a whole cycle of them: a checkpoint (the inner optimizer's state,
+        # the residual) per fragment round cost a 2-core site more time than the stalls it hides.
+        if self.checkpointer and not sync.finished and sync.round % cfg.fragments == 0:
             self.checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
         self.observer.landed(pending.header.round, pending.times)
         last = self.loop.last_loss.get(pending.header.round)

@@ -1,8 +1,8 @@
 """A site's own checkpoint: what it needs, beyond the global θ it pulls from the coordinator,
 to go on after a crash or a stop as if nothing had happened.
 
-Written after every round the site completes (atomically, checksummed: diloco.checkpoint),
-for the round it is about to train: the inner optimizer state (AdamW moments), the inner
+Written after every round the site completes (with fragments, after every F-th: a whole cycle
+of them; atomically, checksummed: diloco.checkpoint), for the round it is about to train: the inner optimizer state (AdamW moments), the inner
 step count, the data sampler's position, the uplink error-feedback residual, the tokens it
 trained, and the hash of the global θ it holds. A site that starts again with the same id
 joins, pulls θ whole and then restores:
