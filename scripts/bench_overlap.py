@@ -34,6 +34,11 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=1 delta": {"fragments": 5, "overlap_steps": 1, "merge": "delta"},
     "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
     "streaming F=5 τ=4 delta": {"fragments": 5, "overlap_steps": 4, "merge": "delta"},
+    "streaming F=5 τ=5 delta zstd": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec": "int8+zstd"},  # the same bits, entropy-coded
+    "streaming F=5 τ=5 ahead": {"fragments": 5, "overlap_steps": 5, "merge": "ahead"},  # w = 0 (AHEAD_WEIGHT)
+    "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
+    "streaming F=5 τ=5 ahead w=0": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.0},
+    "streaming F=5 τ=4 ahead": {"fragments": 5, "overlap_steps": 4, "merge": "ahead"},
     "streaming F=2 τ=10 delta": {"fragments": 2, "overlap_steps": 10, "merge": "delta"},
     "overlap F=1 τ=25 delta": {"overlap_steps": 25, "merge": "delta"},
     "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},

@@ -16,7 +16,7 @@ from diloco.data import DataConfig
 from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
 from diloco.outer import OuterConfig, RobustConfig, check_aggregate
 from diloco.outer.defaults import applies, auto_outer
-from diloco.outer.eager import check_eager_outer
+from diloco.outer.eager import AHEAD_WEIGHT, EAGER_WEIGHT, check_eager_outer
 from diloco.observe.logs import LoggingConfig
 from diloco.observe.config import TensorBoardConfig
 from diloco.security.config import SecurityConfig
@@ -102,7 +102,7 @@ class RunConfig:
     # frequent syncs early; every site follows it by round number (blocking DiLoCo only).
     sync_every_schedule: tuple[int, ...] | None = None
     outer_mode: str = "blocking"  # blocking | eager | delayed: eager/delayed overlap the whole sync with the next inner phase
-    eager_weight: float | None = None  # eager: the weight of a site's own Δ standing in for the mean in flight; None: 0.5 (diloco.outer.eager)
+    eager_weight: float | None = None  # eager, merge=ahead: the weight of a site's own Δ standing in for the mean in flight; None: 0.5 (eager), 0 (ahead) (diloco.outer.eager)
     streams: int = 1  # connection striping: a site's push and pull each over this many concurrent streams (TCP connections)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # every process's log format: text lines, or JSON lines (logging.json)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)  # TensorBoard scalars under <run dir>/tb (tensorboard.enabled)
@@ -170,12 +170,14 @@ class RunConfig:
             raise ConfigError(why)
         if self.alpha is None:
             object.__setattr__(self, "alpha", 0.5 if self.overlap_steps > 0 else 0.0)
-        if self.merge not in ("alpha", "delta"):
-            raise ConfigError(f"merge={self.merge!r}: must be alpha (α·local + (1−α)·θ) or delta (θ + the steps trained since the push)")
+        if self.merge not in ("alpha", "delta", "ahead"):
+            raise ConfigError(
+                f"merge={self.merge!r}: must be alpha (α·local + (1−α)·θ), delta (θ + the steps trained since the push) or ahead (delta, those steps from a look-ahead of the outer step)"
+            )
         if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
             raise ConfigError(f"alpha={self.alpha!r}: must be a number in [0, 1] (0: a landed fragment replaces the local one)")
-        if self.eager_weight is not None and (isinstance(self.eager_weight, bool) or not (isinstance(self.eager_weight, (int, float)) and 0.0 < self.eager_weight <= 1.0)):
-            raise ConfigError(f"eager_weight={self.eager_weight!r}: must be null (0.5) or a number in (0, 1]")
+        if self.eager_weight is not None and (isinstance(self.eager_weight, bool) or not (isinstance(self.eager_weight, (int, float)) and 0.0 <= self.eager_weight <= 1.0)):
+            raise ConfigError(f"eager_weight={self.eager_weight!r}: must be null (eager 0.5, ahead 0) or a number in [0, 1]")
 
     def _check_combinations(self) -> None:
         """Fields that are fine alone but cannot work together."""
@@ -191,13 +193,15 @@ class RunConfig:
             for what, on in (("quorum.late=merge", self.quorum.late == "merge"), ("guard.factor > 0", self.guard.factor > 0), ("robust.norm_ratio > 0", self.robust.norm_ratio > 0)):
                 if on:
                     raise ConfigError(f"fragments={self.fragments} cannot be combined with {what}: it compares pushes of different rounds, which hold different fragments")
-        if self.outer_mode == "eager":
+        if self.outer_mode == "eager" or self.merge == "ahead":
             try:
                 check_eager_outer(self.outer)  # type: ignore[arg-type]
             except ValueError as e:
-                raise ConfigError(str(e)) from None
+                raise ConfigError(str(e).replace("outer_mode=eager", "outer_mode=eager" if self.outer_mode == "eager" else "merge=ahead")) from None
         elif self.eager_weight is not None:
-            raise ConfigError(f"eager_weight={self.eager_weight}: only for outer_mode=eager (this run has outer_mode={self.outer_mode})")
+            raise ConfigError(f"eager_weight={self.eager_weight}: only for outer_mode=eager or merge=ahead (this run has outer_mode={self.outer_mode}, merge={self.merge})")
+        if self.merge == "ahead" and self.outer_mode != "blocking":
+            raise ConfigError(f"merge=ahead looks ahead of a fragment's round while τ steps overlap it; outer_mode={self.outer_mode} starts whole phases from its own point: use merge=delta")
         if self.init.source == "site" and self.eval_by == "coordinator":
             raise ConfigError("eval_by=coordinator: with init=site the coordinator does not know the model; use eval_by=auto or sites")
         if self.data.vocab > self.model.vocab_size:
@@ -259,6 +263,13 @@ class RunConfig:
             sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode, train_rounds=self.rounds * self.fragments,
             early=tuple(self.sync_every_schedule or ()),
         )
+
+    @property
+    def lookahead_weight(self) -> float:
+        """The own Δ's weight in a look-ahead (eager, merge=ahead): eager_weight, or its mode's default."""
+        if self.eager_weight is not None:
+            return float(self.eager_weight)
+        return EAGER_WEIGHT if self.outer_mode == "eager" else AHEAD_WEIGHT
 
     @property
     def sync_rounds(self) -> int:

@@ -21,7 +21,6 @@ from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.observe.config import MetricsConfig
-from diloco.outer.eager import EAGER_WEIGHT
 from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, SiteStep
 from diloco.observe.site_observer import SiteObserver
 from diloco.site.checkpoint import SiteCheckpointer
@@ -183,7 +182,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
                 fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
                 streams=cfg.streams,
-                outer=cfg.outer if cfg.outer_mode == "eager" else None, eager_weight=cfg.eager_weight if cfg.eager_weight is not None else EAGER_WEIGHT,
+                outer=cfg.outer if cfg.outer_mode == "eager" or cfg.merge == "ahead" else None, eager_weight=cfg.lookahead_weight,
             )  # fmt: skip
             sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None, on_diverged=site.trainer.reset_state)
             try:

@@ -37,6 +37,9 @@ class CoordinatorConfig:
     max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
     staging_timeout_s: float = 30.0  # a push waits this long for a staging buffer, then is told to retry (resource_exhausted)
     fragments: int = 1  # streaming DiLoCo: round r syncs fragment r mod F of the parameters (diloco.outer.fragments)
+    # The last this many rounds are streaming's flush rounds (F − 1 with fragments): they average
+    # the sites' last partial phases into θ without the outer step (OuterOptimizer.average_from).
+    flush_rounds: int = 0
     # A whole pull's small chunks go in bundles (diloco.wire.bundles) of at most chunk_bytes:
     # few stream messages for a model of many small tensors. False: one message per chunk.
     bundle_downlink: bool = True
@@ -60,6 +63,8 @@ class CoordinatorConfig:
             raise ValueError(f"max_sites={self.max_sites!r}: must be null or an integer >= 1")
         if isinstance(self.fragments, bool) or not (isinstance(self.fragments, int) and self.fragments >= 1):
             raise ValueError(f"fragments={self.fragments!r}: must be an integer >= 1")
+        if isinstance(self.flush_rounds, bool) or not (isinstance(self.flush_rounds, int) and 0 <= self.flush_rounds < self.total_rounds):
+            raise ValueError(f"flush_rounds={self.flush_rounds!r}: must be an integer in 0..total_rounds-1 ({self.total_rounds - 1})")
         if self.fragments > 1 and self.quorum.late == "merge":
             raise ValueError(f"quorum.late=merge cannot be combined with fragments={self.fragments}: a late push belongs to another fragment than the open round's; use quorum.late=drop")
         if not self.staging_timeout_s > 0:

@@ -117,7 +117,8 @@ class Coordinator(PushIntake):
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
-        self._outer = OuterOptimizer(params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments)
+        average_from = self.cfg.total_rounds - self.cfg.flush_rounds if self.cfg.flush_rounds else None
+        self._outer = OuterOptimizer(params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments, average_from=average_from)
         self._specs = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._encoder = UpdateEncoder.of(self.cfg.codec_down.build(), self._specs, self.cfg.chunk_bytes, self.cfg.error_feedback_down)

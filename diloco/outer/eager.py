@@ -29,13 +29,14 @@ affected, never θ.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from diloco.outer.optimizer import OuterConfig
 
 EAGER_WEIGHT = 0.5  # w: the best of 0.25 (with the paper's others), 0.5, 1 and a fitted w at 10 rounds (docs/streaming.md)
+AHEAD_WEIGHT = 0.0  # merge=ahead's w: the momentum alone; w = 0.5 cost 5.6% bpb against 1.8% (docs/streaming.md)
 ALLOWED_KWARGS = ("foreach",)  # anything else (weight_decay, dampening, maximize) changes the step's rule
 
 
@@ -52,49 +53,59 @@ class EagerStart:
     """A site's look-ahead of the outer step in flight (tensors: name -> float32, this rank's
     slices). ``observe`` each landed round's update, in order; ``offset`` after each push."""
 
-    def __init__(self, cfg: OuterConfig, steps: int, weight: float) -> None:
+    def __init__(self, cfg: OuterConfig, steps: int, weight: float, fragments: int = 1) -> None:
         check_eager_outer(cfg)
-        if not 0 < weight <= 1:
-            raise ValueError(f"eager weight={weight}: must be in (0, 1]")
-        self.cfg, self.steps, self.weight = cfg, max(int(steps), 1), float(weight)
+        if not 0 <= weight <= 1:
+            raise ValueError(f"eager weight={weight}: must be in [0, 1]")
+        # steps: the outer steps of the run; with F fragments round r is outer step r // F of
+        # ceil(rounds / F), as the coordinator's optimizer counts them.
+        self.cfg, self.steps, self.weight, self.fragments = cfg, max(int(steps), 1), float(weight), max(int(fragments), 1)
         self.nesterov = cfg.nesterov and cfg.momentum > 0  # as OuterConfig.build makes the optimizer
-        self.buffer: dict[str, torch.Tensor] | None = None  # the coordinator's momentum buffer (None: it has none yet)
+        # The coordinator's momentum buffer per parameter (absent: torch has made none for it
+        # yet; with fragments each parameter's buffer starts at its own fragment's round).
+        self.buffer: dict[str, torch.Tensor] = {}
         self.mean: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, its mean Δ) of the last round observed
 
     def _rates(self, k: int) -> tuple[float, float]:
-        settings = self.cfg.settings_at(k, self.steps)
+        settings = self.cfg.settings_at(k // self.fragments, self.steps)
         return float(settings.get("lr", self.cfg.lr)), float(settings.get("momentum", self.cfg.momentum))
 
-    def _step(self, g: dict[str, torch.Tensor], k: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    def _step(self, g: dict[str, torch.Tensor], k: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """torch's SGD step direction for gradient ``g`` at round ``k`` (before × −lr), and the
-        momentum buffer after it."""
+        momentum buffers of ``g``'s parameters after it."""
         _, mu = self._rates(k)
         if mu == 0:
-            return g, self.buffer
-        buffer = {n: g[n].clone() if self.buffer is None else self.buffer[n] * mu + g[n] for n in g}
+            return g, {}
+        buffer = {n: g[n].clone() if n not in self.buffer else self.buffer[n] * mu + g[n] for n in g}
         return ({n: g[n] + mu * buffer[n] for n in g} if self.nesterov else buffer), buffer
 
     def observe(self, k: int, update: Mapping[str, torch.Tensor]) -> None:
-        """Round ``k`` landed with update ũ_k: recovers its mean Δ and the buffer after it."""
+        """Round ``k`` landed with update ũ_k (its fragment's parameters): recovers its mean Δ
+        and the buffers after it."""
         lr, mu = self._rates(k)
-        u = {n: -update[n].float() / lr for n in update}  # the step direction
-        if mu == 0:
-            g = u
-        elif self.buffer is None:  # torch makes the buffer from this gradient: direction (1 + μ)·g (Nesterov) or g
-            g = {n: v / (1 + mu) for n, v in u.items()} if self.nesterov else u
-        elif self.nesterov:  # direction = g + μ·(μ·b + g)
-            g = {n: (v - mu * mu * self.buffer[n]) / (1 + mu) for n, v in u.items()}
-        else:  # direction = μ·b + g
-            g = {n: v - mu * self.buffer[n] for n, v in u.items()}
-        _, self.buffer = self._step(g, k)
+        g = {}
+        for n, value in update.items():
+            v = -value.float() / lr  # the step direction
+            if mu == 0:
+                g[n] = v
+            elif n not in self.buffer:  # torch makes the buffer from this gradient: direction (1 + μ)·g (Nesterov) or g
+                g[n] = v / (1 + mu) if self.nesterov else v
+            elif self.nesterov:  # direction = g + μ·(μ·b + g)
+                g[n] = (v - mu * mu * self.buffer[n]) / (1 + mu)
+            else:  # direction = μ·b + g
+                g[n] = v - mu * self.buffer[n]
+        _, after = self._step(g, k)
+        self.buffer.update(after)
         self.mean = (k, g)
 
-    def missed(self, k: int) -> None:
+    def missed(self, k: int, names: Iterable[str] | None = None) -> None:
         """Round ``k`` landed but the site did not see its update (it caught up on θ whole): the
-        buffer goes on by the momentum alone, and no mean is known."""
+        buffers of its parameters (``names``; None: all) go on by the momentum alone, and no
+        mean is known."""
         _, mu = self._rates(k)
-        if self.buffer is not None and mu > 0:
-            self.buffer = {n: b * mu for n, b in self.buffer.items()}
+        if mu > 0:
+            for n in list(self.buffer) if names is None else [n for n in names if n in self.buffer]:
+                self.buffer[n] = self.buffer[n] * mu
         self.mean = None
 
     def offset(self, k: int, own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -121,7 +121,7 @@ class OuterOptimizer:
     restored optimizer goes on with exactly the values it would have had.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig, steps: int | None = None, fragments: int = 1) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig, steps: int | None = None, fragments: int = 1, average_from: int | None = None) -> None:
         self.names = sorted(params)
         self.params = {n: params[n].detach().clone().float() for n in self.names}
         self.cfg = cfg
@@ -129,6 +129,11 @@ class OuterOptimizer:
         if self._schedule.active and steps is None:
             raise ValueError("an outer schedule needs the run's number of outer steps")
         self.steps, self.fragments = steps, fragments
+        # Rounds from this one on (streaming's flush rounds) average the sites' last partial
+        # phases into θ (θ − mean Δ) without the outer step: no rate, no momentum, the
+        # optimizer's state untouched. Each fragment has had its R outer steps, as blocking
+        # DiLoCo's parameters have; a further momentum step would extrapolate it again.
+        self.average_from = average_from
         self._opt = cfg.build([self.params[n] for n in self.names])
         self.update_norm = 0.0
 
@@ -156,16 +161,21 @@ class OuterOptimizer:
         before = {n: self.params[n].clone() for n in names}
         saved = self._save_state()
         try:
-            for group in self._opt.param_groups:
-                group.update(self.hyperparameters(int(round or 0)))
-            for n in names:
-                self.params[n].grad = mean_delta[n].detach().clone()
-            self._opt.step()  # parameters without a gradient are skipped, their state untouched
-            proposed = {}
-            for n in names:
-                p = self.params[n]
-                proposed[n] = p - before[n]
-                p.grad = None
+            if self.average_from is not None and round is not None and round >= self.average_from:
+                proposed = {n: -mean_delta[n].detach().float() for n in names}
+                for n in names:
+                    self.params[n].add_(proposed[n])
+            else:
+                for group in self._opt.param_groups:
+                    group.update(self.hyperparameters(int(round or 0)))
+                for n in names:
+                    self.params[n].grad = mean_delta[n].detach().clone()
+                self._opt.step()  # parameters without a gradient are skipped, their state untouched
+                proposed = {}
+                for n in names:
+                    p = self.params[n]
+                    proposed[n] = p - before[n]
+                    p.grad = None
             # The parameters hold θ' until the end: θ_{r+1} is written from θ_r and ũ below.
             size = check_update("proposed update", proposed, before)
             sent = transmit(proposed) if transmit is not None else proposed

@@ -48,7 +48,10 @@ class SyncOptions:
     fragments: int = 1  # streaming: round r syncs fragment r mod F (told at Join; the coordinator refuses another F)
     alpha: float = 0.0  # a landed fragment is merged into the model as α·local + (1−α)·global (0: replaced)
     # "alpha": the merge above; "delta": θ + the local steps taken since the push (local −
-    # local at the push), so the overlapped steps are neither lost nor counted twice.
+    # local at the push), so the overlapped steps are neither lost nor counted twice; "ahead":
+    # delta, with the overlapped steps taken from a look-ahead of the outer step in flight (the
+    # fragment moved by the coordinator's momentum, and by eager_weight × the site's own Δ in
+    # place of the mean: diloco.outer.eager), so they start nearer where the merge puts them.
     merge: str = "alpha"
     # Where each round's Δ is measured from: "global" (θ, DiLoCo and streaming), or the inner
     # phase's own start point, which the site sets when it pushes without waiting for the
@@ -56,23 +59,24 @@ class SyncOptions:
     # step makes of the site's own Δ, weighted eager_weight, in place of the average still in
     # flight: diloco.outer.eager).
     start_point: str = "global"
-    outer: OuterConfig | None = None  # eager: the run's outer step, which the look-ahead follows
-    eager_weight: float = EAGER_WEIGHT  # eager: the own Δ's weight in the stand-in for the mean in flight
+    outer: OuterConfig | None = None  # eager, merge=ahead: the run's outer step, which the look-ahead follows
+    eager_weight: float = EAGER_WEIGHT  # eager, merge=ahead: the own Δ's weight in the stand-in for the mean in flight
     streams: int = 1  # connection striping: each push and pull over this many concurrent streams (the client needs as many)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha!r}: must be in [0, 1]")
-        if self.merge not in ("alpha", "delta"):
-            raise ValueError(f"merge={self.merge!r}: must be alpha or delta")
+        if self.merge not in ("alpha", "delta", "ahead"):
+            raise ValueError(f"merge={self.merge!r}: must be alpha, delta or ahead")
         if self.start_point not in ("global", "delayed", "eager"):
             raise ValueError(f"start_point={self.start_point!r}: must be global, delayed or eager")
-        if self.start_point == "eager":
+        if self.start_point == "eager" or self.merge == "ahead":
+            what = "start_point=eager" if self.start_point == "eager" else "merge=ahead"
             if self.outer is None:
-                raise ValueError("start_point=eager needs the run's outer step (SyncOptions.outer)")
+                raise ValueError(f"{what} needs the run's outer step (SyncOptions.outer)")
             check_eager_outer(self.outer)
-            if not 0 < self.eager_weight <= 1:
-                raise ValueError(f"eager_weight={self.eager_weight}: must be in (0, 1]")
+            if not 0 <= self.eager_weight <= 1:
+                raise ValueError(f"eager_weight={self.eager_weight}: must be in [0, 1]")
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
             raise ValueError(f"streams={self.streams!r}: must be an integer >= 1")
 
@@ -89,7 +93,7 @@ class PendingRound:
     names: tuple[str, ...] = ()  # the parameters this round syncs (its fragment's)
     parts: list[tuple[PushHeader, list[Chunk]]] = field(default_factory=list)  # striped: the push's parts, one per stream
     delta: dict[str, torch.Tensor] | None = None  # the site's own Δ (kept for an eager start point)
-    at_push: dict[str, torch.Tensor] | None = None  # merge=delta: the fragment's local values when it was pushed
+    at_push: dict[str, torch.Tensor] | None = None  # merge=delta/ahead: the fragment's local values when it was pushed (ahead: looked ahead)
     outcome: RoundOutcome | None = None
     update: Assembler | None = None
     diverged: bool = False  # Δ was not finite: the push is withheld and the site restarts from θ
@@ -280,10 +284,15 @@ class OuterSync:
         if pending.diverged:
             self._restart_from_global(pending.header.round)
 
+    @property
+    def _looks_ahead(self) -> bool:
+        return self.options.start_point == "eager" or self.options.merge == "ahead"
+
     def _eager(self) -> EagerStart:
         if self._lookahead is None:
             assert self.options.outer is not None
-            self._lookahead = EagerStart(self.options.outer, self.total_rounds, self.options.eager_weight)
+            f = self.options.fragments
+            self._lookahead = EagerStart(self.options.outer, -(-self.total_rounds // f), self.options.eager_weight, fragments=f)
         return self._lookahead
 
     @contextlib.contextmanager
@@ -330,9 +339,8 @@ class OuterSync:
             train_loss = math.nan  # not reported (an infinite loss would make the header invalid)
         own = {n: d.clone() for n, d in delta.items()} if self.options.start_point == "eager" else None
         at_push = None
-        if self.options.merge == "delta":  # the fragment's local values now, to re-apply the steps trained until the merge
-            held = {n: h.tensor for n, h in self.layout.held().items() if n in names}
-            at_push = {n: t.detach().float().clone() for n, t in self._host.host(held).items()}
+        if self.options.merge in ("delta", "ahead"):  # the fragment's local values now, to re-apply the steps trained until the merge
+            at_push = self._at_push(r, names, reference)
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
         t1 = time.perf_counter()
@@ -348,6 +356,21 @@ class OuterSync:
             residual = ErrorFeedback.error(delta, assemble(chunks, sent).finish())
         times = {"round": r, "delta_s": t1 - t0, "encode_s": time.perf_counter() - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
         return PendingRound(header, chunks, residual, times, names=names, delta=own, parts=parts, at_push=at_push)
+
+    def _at_push(self, r: int, names: tuple[str, ...], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The fragment's local values as the overlapped steps start from them: as they are
+        (merge=delta), or moved by the look-ahead of round ``r``'s outer step (merge=ahead; every
+        rank holding a slice computes the same offset from the same values, so replicas agree)."""
+        held = {n: h.tensor for n, h in self.layout.held().items() if n in names}
+        local = {n: t.detach().float().clone() for n, t in self._host.host(held).items()}
+        if self.options.merge == "ahead":
+            own = pseudo_gradient({n: reference[n] for n in held}, local)
+            for n, o in self._eager().offset(r, own).items():
+                local[n].add_(o)
+            HostMirror.load(held, local)
+            self.layout.after_pull()
+            local = {n: t.detach().float().clone() for n, t in self._host.host(held).items()}  # as the model holds them (a bf16 model rounds)
+        return local
 
     def _withheld(self, r: int, names: tuple[str, ...], bad: int, tokens: int, inner_steps: int, t0: float) -> PendingRound:
         """The push of a round whose Δ is not finite: a header saying so, no chunks. Every rank
@@ -420,7 +443,7 @@ class OuterSync:
         t3 = time.perf_counter()
         update = pending.update.finish()
         apply_update(self.global_params, update)
-        if self.options.start_point == "eager":
+        if self._looks_ahead:
             self._eager().observe(r, update)
         self.stats.bytes_down += pending.update.payload_bytes
         pending.times["bytes_down"] = pending.update.payload_bytes
@@ -441,8 +464,8 @@ class OuterSync:
     def _catch_up(self, r: int, outcome: RoundOutcome) -> str:
         """Loads θ whole (this rank's slices of it), the site's leader joining again first when
         the coordinator asked for it."""
-        if self.options.start_point == "eager":
-            self._eager().missed(r)
+        if self._looks_ahead:
+            self._eager().missed(r, self.names_of(r))
         if outcome.merged:
             self.stats.merged_rounds.append(r)
         if outcome.dropped:

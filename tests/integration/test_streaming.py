@@ -151,6 +151,25 @@ def test_blocking_fragments_replace_each_landed_fragment(site_factory) -> None:
 SGD_MOMENTUM = OuterConfig(name="SGD", lr=0.5, momentum=0.5, nesterov=False)
 
 
+def test_the_ahead_merge_with_one_site_and_weight_one_is_blocking_fragments_by_hand(site_factory) -> None:
+    # merge=ahead: at the push the fragment moves by the outer step as the site can foresee it
+    # (SGD lr .5, momentum .5, heavy ball; the own Δ, weight 1, for the mean), the τ=1 step is
+    # taken from there, and the landing keeps it: L ← G + (L − L at the push, looked ahead).
+    # r0: (-2,-2), push A: Δ=2, no buffer yet: A -= .5*2 -> (-3,-2). r1: step (-4,-3); land r0:
+    # G_A=-1 (buf 2), A=-1+(-4+3)=-2; step (-3,-4); push B: Δ=4, B -= 2 -> (-3,-6). r2: step
+    # (-4,-7); land r1: G_B=-2 (buf 4), B=-2+(-7+6)=-3; step (-5,-4); push A: Δ=-1+5=4,
+    # A -= .5*(.5*2+4) -> (-7.5,-4). r3: step (-8.5,-5); land r2: buf_A=5, G_A=-3.5,
+    # A=-3.5+(-8.5+7.5)=-4.5; step (-5.5,-6); push B: Δ=-2+6=4, B -= .5*(.5*4+4) -> (-5.5,-9).
+    # End: land r3: buf_B=6, G_B=-5, B=-5. One site's look-ahead is the outer step itself, so
+    # the pushes, θ and the model are blocking fragments' (Δ 2, 4, 4, 4; θ (-3.5, -5)).
+    site = site_factory(4, SyncOptions(fragments=2, merge="ahead", outer=SGD_MOMENTUM, eager_weight=1.0), SGD_MOMENTUM)
+    site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1))
+    assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
+    assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.5, B: -5.0}
+    assert _params(site.model) == {A: -5.5, B: -5.0}
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+
+
 @pytest.mark.parametrize(
     "mode, starts",
     [

@@ -71,6 +71,39 @@ def test_with_several_sites_the_look_ahead_takes_the_weighted_own_delta_for_the_
         _close(eager.mean[1], mean)  # type: ignore[index]
 
 
+@pytest.mark.parametrize("cfg", OUTER[:3], ids=IDS[:3])
+def test_with_fragments_each_parameter_follows_the_rounds_of_its_own_fragment(cfg: OuterConfig) -> None:
+    # F = 2: round r syncs fragment r mod 2 at outer step r // 2 (its rates), as the
+    # coordinator's optimizer counts them; each parameter's buffer starts at its own round.
+    frags = (("a",), ("b",))
+    coordinator = OuterOptimizer({n: torch.zeros(s) for n, s in SHAPES.items()}, cfg, steps=ROUNDS, fragments=2)
+    eager = EagerStart(cfg, ROUNDS, weight=1.0, fragments=2)
+    for r, delta in enumerate(_deltas(2 * ROUNDS, seed=3)):
+        names = frags[r % 2]
+        delta = {n: delta[n] for n in names}
+        theta = {n: coordinator.params[n].clone() for n in names}
+        offset = eager.offset(r, delta)
+        update = coordinator.step(delta, round=r)
+        for n in names:
+            torch.testing.assert_close(theta[n] + offset[n], coordinator.params[n], rtol=1e-5, atol=1e-5)
+        eager.observe(r, update)
+    assert set(eager.buffer) == set(SHAPES)
+
+
+@pytest.mark.parametrize("cfg", OUTER[:3], ids=IDS[:3])
+def test_weight_zero_looks_ahead_by_the_momentum_alone(cfg: OuterConfig) -> None:
+    # merge=ahead's w = 0: the part of the outer step a site knows before the mean lands.
+    coordinator, eager = _coordinator(cfg), EagerStart(cfg, ROUNDS, weight=0.0)
+    for k, delta in enumerate(_deltas(ROUNDS, seed=5)):
+        offset = eager.offset(k, delta)
+        trial = copy.deepcopy(coordinator)
+        before = {n: p.clone() for n, p in trial.params.items()}
+        trial.step({n: torch.zeros(s) for n, s in SHAPES.items()}, round=k)
+        _close(offset, {n: trial.params[n] - before[n] for n in SHAPES})
+        eager.observe(k, coordinator.step(delta, round=k))
+    assert any(float(v.abs().max()) > 0 for v in offset.values())  # by the last round the momentum moves it
+
+
 def test_a_missed_update_leaves_the_buffer_to_the_momentum() -> None:
     cfg = OuterConfig(name="SGD", lr=1.0, momentum=0.5, nesterov=False, auto=False)
     eager = EagerStart(cfg, ROUNDS, weight=1.0)
@@ -98,7 +131,7 @@ def test_an_outer_step_the_look_ahead_cannot_follow_is_refused_naming_it(cfg: Ou
         EagerStart(cfg, 3, weight=1.0)
 
 
-@pytest.mark.parametrize("weight", [0.0, 1.5])
+@pytest.mark.parametrize("weight", [-0.1, 1.5])
 def test_a_weight_outside_zero_to_one_is_refused(weight: float) -> None:
     with pytest.raises(ValueError, match=f"eager weight={weight}"):
         EagerStart(OuterConfig(auto=False), 3, weight=weight)

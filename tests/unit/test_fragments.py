@@ -87,9 +87,11 @@ def test_the_schedule_of_each_mode() -> None:
         ({"outer_mode": "eager", "fragments": 2}, "outer_mode=eager overlaps the whole sync"),
         ({"outer_mode": "eager", "outer": {"name": "Adam", "lr": 0.01}}, "outer_mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name=Adam)"),
         ({"outer_mode": "eager", "outer": {"kwargs": {"weight_decay": 0.1}}}, "outer.kwargs.weight_decay=0.1"),
-        ({"outer_mode": "eager", "eager_weight": 0}, "eager_weight=0: must be null (0.5) or a number in (0, 1]"),
+        ({"outer_mode": "eager", "eager_weight": -0.5}, "eager_weight=-0.5: must be null (eager 0.5, ahead 0) or a number in [0, 1]"),
+        ({"fragments": 2, "overlap_steps": 1, "merge": "ahead", "outer": {"name": "Adam", "lr": 0.01}}, "merge=ahead follows the outer step's momentum from the updates: it needs outer.name=SGD"),
+        ({"merge": "ahead", "outer_mode": "delayed"}, "merge=ahead looks ahead of a fragment's round"),
         ({"outer_mode": "eager", "eager_weight": 1.5}, "eager_weight=1.5"),
-        ({"outer_mode": "delayed", "eager_weight": 0.5}, "eager_weight=0.5: only for outer_mode=eager (this run has outer_mode=delayed)"),
+        ({"outer_mode": "delayed", "eager_weight": 0.5}, "eager_weight=0.5: only for outer_mode=eager or merge=ahead (this run has outer_mode=delayed, merge=alpha)"),
         ({"fragments": 2, "quorum": {"late": "merge"}}, "fragments=2 cannot be combined with quorum.late=merge"),
         ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
         ({"fragments": 2, "guard": {"factor": 3}}, "fragments=2 cannot be combined with guard.factor"),
@@ -113,6 +115,11 @@ def test_fragments_add_flush_rounds_so_every_step_reaches_theta() -> None:
     assert cfg.sync_rounds == 2 * 3 + 2
     assert [cfg.schedule.steps_of(r) for r in range(cfg.sync_rounds)] == [4] * 6 + [0, 0]
     assert run_config_from_dict({"rounds": 7}).sync_rounds == 7
+    # the coordinator averages those two into θ without the outer step
+    from diloco.app.coordinator import CoordinatorOptions, coordinator_config
+
+    assert coordinator_config(cfg, CoordinatorOptions(), "model", True).flush_rounds == 2
+    assert coordinator_config(run_config_from_dict({"rounds": 7}), CoordinatorOptions(), "model", True).flush_rounds == 0
 
 
 def test_more_fragments_than_layers_is_refused_before_any_process_starts() -> None:

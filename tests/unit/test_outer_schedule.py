@@ -50,6 +50,19 @@ def test_fragments_step_on_their_own_rounds() -> None:
     assert [outer.hyperparameters(r)["lr"] for r in range(6)] == pytest.approx([0.7 / 3] * 2 + [1.4 / 3] * 2 + [0.7] * 2)
 
 
+def test_flush_rounds_average_into_theta_without_the_outer_step() -> None:
+    # F = 2 (w: rounds 0, 2, 4; v: rounds 1, 3), round 4 a flush round; heavy ball lr 0.5,
+    # momentum 0.9, the mean Δ is 1 every round. w: buf 1, w = −0.5; buf 1.9, w = −1.45; then
+    # the flush averages: w = −1.45 − 1 = −2.45, its buffer left at 1.9 (an outer step would
+    # have moved w by 0.5·(0.9·1.9 + 1) = 1.355 and the buffer to 2.71).
+    outer = OuterOptimizer({"w": torch.zeros(1), "v": torch.zeros(1)}, OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False), steps=3, fragments=2, average_from=4)
+    for r, name in enumerate(["w", "v", "w", "v", "w"]):
+        update = outer.step({name: torch.ones(1)}, round=r)
+    assert float(update["w"]) == -1.0 and float(outer.params["w"]) == pytest.approx(-2.45)
+    assert float(outer._opt.state[outer.params["w"]]["momentum_buffer"]) == pytest.approx(1.9)
+    assert float(outer.params["v"]) == pytest.approx(-1.45)
+
+
 @pytest.mark.parametrize("name", ["SGD", "DelayedNesterov"])
 def test_a_restore_mid_warmup_goes_on_bit_identically(name: str) -> None:
     cfg = OuterConfig(name=name, period=2, lr_warmup=3, lr_decay="cosine", momentum_warmup=4)
