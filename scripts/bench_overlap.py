@@ -35,6 +35,7 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
     "streaming F=5 τ=4 delta": {"fragments": 5, "overlap_steps": 4, "merge": "delta"},
     "streaming F=5 τ=5 delta zstd": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec": "int8+zstd"},  # the same bits, entropy-coded
+    "streaming F=5 τ=5 ahead zstd": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd"},
     "streaming F=5 τ=5 ahead": {"fragments": 5, "overlap_steps": 5, "merge": "ahead"},  # w = 0 (AHEAD_WEIGHT)
     "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
     "streaming F=5 τ=5 ahead w=0": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.0},

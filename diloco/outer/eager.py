@@ -22,6 +22,13 @@ deviation from the mean; w < 1 trades that scatter for a lag. The paper's stand-
 others' Δ_{k−1} added back, w = 1/N) and a w fitted each round both measured worse than a
 fixed w (docs/streaming.md), so the stand-in is the site's own Δ alone.
 
+``merge=ahead`` (streaming with overlap) uses the same look-ahead for one fragment's round: the
+τ steps trained while it is in flight start from the fragment moved by its outer step as far
+as the site can foresee it (weight 0 by default: the momentum alone). With fragments each
+parameter keeps its own buffer, and round r is outer step r // F, as the coordinator counts
+them. Streaming's flush rounds average without the outer step; their updates, observed here
+as outer steps, can only touch buffers no later round reads.
+
 When the site lacks a piece (a round it caught up on without its update: the buffer is
 carried by the momentum alone), the look-ahead is what it has: only the start point is
 affected, never θ.

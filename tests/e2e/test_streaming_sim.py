@@ -53,13 +53,14 @@ BASE = ["sites=3", "data.batch_size=4", "eval_every=100", "sim.timeout_s=240"]
 @pytest.fixture(scope="module")
 def streaming_kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # H=4, F=2, τ=1: 8 coordinator rounds of 2 steps, each one fragment, pushed without waiting,
-    # then a flush round for fragment 0 (no steps).
+    # then a flush round for fragment 0 (no steps); merge=ahead, whose look-ahead a restarted
+    # site rebuilds from nothing (only its start points differ, never θ).
     events = _events(
         "{kind:kill_site,site:0,at_round:2,phase:inner,restart_after_s:0.5}",
         "{kind:kill_site,site:1,at_round:3,phase:push,restart_after_s:0.5}",
         "{kind:kill_coordinator,at_round:5,phase:mid,restart_after_s:0.5}",
     )
-    return run_ok(tmp_path_factory.mktemp("streaming") / "run", *BASE, "sync_every=4", "rounds=4", "fragments=2", "overlap_steps=1", "codec=int8", events, timeout=280)
+    return run_ok(tmp_path_factory.mktemp("streaming") / "run", *BASE, "sync_every=4", "rounds=4", "fragments=2", "overlap_steps=1", "merge=ahead", "codec=int8", events, timeout=280)
 
 
 def test_streaming_through_kills_keeps_the_fault_matrix_invariants(streaming_kills: Run) -> None:
