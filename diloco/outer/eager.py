@@ -43,7 +43,7 @@ import torch
 from diloco.outer.optimizer import OuterConfig
 
 EAGER_WEIGHT = 0.5  # w: the best of 0.25 (with the paper's others), 0.5, 1 and a fitted w at 10 rounds (docs/streaming.md)
-AHEAD_WEIGHT = 0.0  # merge=ahead's w: the momentum alone; w = 0.5 cost 5.6% bpb against 1.8% (docs/streaming.md)
+AHEAD_WEIGHT = 0.0  # merge=ahead's w: the momentum alone (τ = 5: w = 0.5 cost +5.6% bpb, w = 0 +1.8%; docs/streaming.md)
 ALLOWED_KWARGS = ("foreach",)  # anything else (weight_decay, dampening, maximize) changes the step's rule
 
 
