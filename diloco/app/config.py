@@ -195,9 +195,9 @@ class RunConfig:
                     raise ConfigError(f"fragments={self.fragments} cannot be combined with {what}: it compares pushes of different rounds, which hold different fragments")
         if self.outer_mode == "eager" or self.merge == "ahead":
             try:
-                check_eager_outer(self.outer)  # type: ignore[arg-type]
+                check_eager_outer(self.outer, "outer_mode=eager" if self.outer_mode == "eager" else "merge=ahead")  # type: ignore[arg-type]
             except ValueError as e:
-                raise ConfigError(str(e).replace("outer_mode=eager", "outer_mode=eager" if self.outer_mode == "eager" else "merge=ahead")) from None
+                raise ConfigError(str(e)) from None
         elif self.eager_weight is not None:
             raise ConfigError(f"eager_weight={self.eager_weight}: only for outer_mode=eager or merge=ahead (this run has outer_mode={self.outer_mode}, merge={self.merge})")
         if self.merge == "ahead" and self.outer_mode != "blocking":

@@ -47,13 +47,14 @@ AHEAD_WEIGHT = 0.0  # merge=ahead's w: the momentum alone (τ = 5: w = 0.5 cost 
 ALLOWED_KWARGS = ("foreach",)  # anything else (weight_decay, dampening, maximize) changes the step's rule
 
 
-def check_eager_outer(cfg: OuterConfig) -> None:
-    """Refuses an outer step the look-ahead cannot follow, naming the field."""
+def check_eager_outer(cfg: OuterConfig, what: str = "outer_mode=eager") -> None:
+    """Refuses an outer step the look-ahead cannot follow, naming the field (``what``: the
+    setting that needs the look-ahead)."""
     if cfg.name != "SGD":
-        raise ValueError(f"outer_mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name={cfg.name})")
+        raise ValueError(f"{what} follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name={cfg.name})")
     extra = sorted(set(cfg.kwargs) - set(ALLOWED_KWARGS))
     if extra:
-        raise ValueError(f"outer_mode=eager cannot follow an outer step with outer.kwargs.{extra[0]}={cfg.kwargs[extra[0]]!r}")
+        raise ValueError(f"{what} cannot follow an outer step with outer.kwargs.{extra[0]}={cfg.kwargs[extra[0]]!r}")
 
 
 class EagerStart:

@@ -74,7 +74,7 @@ class SyncOptions:
             what = "start_point=eager" if self.start_point == "eager" else "merge=ahead"
             if self.outer is None:
                 raise ValueError(f"{what} needs the run's outer step (SyncOptions.outer)")
-            check_eager_outer(self.outer)
+            check_eager_outer(self.outer, what)
             if not 0 <= self.eager_weight <= 1:
                 raise ValueError(f"eager_weight={self.eager_weight}: must be in [0, 1]")
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
