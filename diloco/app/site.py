@@ -265,7 +265,11 @@ class _Site:
             sync, self.schedule, self._step, self.sampler.tokens_per_batch, lambda p, d: self._after_round(sync, p, d), mean=self.layout.mean, budget_s=cfg.inner_budget_s
         )
         self.observer.watch(sync, self.loop)
-        self.loop.run()
+        try:
+            self.loop.run()
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # the last checkpoint on disk
         # The hash of the whole θ: of this rank's copy, or (sharded sites) of the whole
         # tensors gathered from the ranks once, at the end, only to verify it.
         site_hash = sync.global_sha256() if one_rank else params_sha256(self.layout.full_state())

@@ -360,8 +360,10 @@ def predict(p: Plan) -> Prediction:
 def run_utilization(p: Plan, rounds: int, *, tail: bool = True) -> float:
     """Utilization over a whole run of ``rounds`` rounds rather than the steady state: the run
     ends once its last sync has landed, and nothing overlaps that one (no inner phase follows
-    it), so an overlapped mode pays it whole once (a blocking sync pays it every round anyway);
-    with fragments, the F − 1 flush rounds after the last (docs/streaming.md) are paid whole too.
+    it), so an overlapped mode pays it whole once (a blocking sync pays it every round anyway).
+    With fragments, the F − 1 flush rounds after the last (docs/streaming.md) follow it
+    pipelined: each is pushed once the round before it is committed, while that round's update
+    comes down, so each adds its push leg (``_push_leg``) and the last pull ends the run.
     ``tail=False``: up to the end of the run's last inner step (the last round's stall, and the
     syncs after it, left out): what ``utilization_until_last_step`` measures."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -371,9 +373,17 @@ def run_utilization(p: Plan, rounds: int, *, tail: bool = True) -> float:
     last_whole = _stall(_pieces(replace(p, overlap_steps=0, outer_mode="blocking"), pred.syncs_per_round - 1), p.params, _link(p)) if p.mode != "ddp" else last_steady
     if not tail:
         return rounds * pred.compute_s / (rounds * pred.round_s - last_steady)
-    flush = (p.fragments - 1) * last_whole if p.mode != "ddp" else 0.0
+    flush = (p.fragments - 1) * _push_leg(p) if p.mode != "ddp" else 0.0
     total = rounds * pred.round_s + max(0.0, last_whole - last_steady) + flush
     return rounds * pred.compute_s / total
+
+
+def _push_leg(p: Plan) -> float:
+    """One fragment's push until its round is committed: its bytes up, the push's reply and the
+    commit's notice (one RTT), the sync's fixed cost, and the wait for the slowest site."""
+    link = _link(p)
+    up = 0.0 if math.isinf(link.rate_gbit) else p.params / p.syncs_per_round * link.sent_bits_per_param / (link.rate_gbit * 1e9)
+    return up + link.latency_s / 2 + link.overhead_s + link.straggle_s
 
 
 # ---- the inverse -------------------------------------------------------------------------

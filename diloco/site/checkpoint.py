@@ -4,7 +4,9 @@ to go on after a crash or a stop as if nothing had happened.
 Written after every round the site completes (with fragments, after every F-th: a whole cycle
 of them; atomically, checksummed: diloco.checkpoint), for the round it is about to train: the inner optimizer state (AdamW moments), the inner
 step count, the data sampler's position, the uplink error-feedback residual, the tokens it
-trained, and the hash of the global θ it holds. A site that starts again with the same id
+trained, and the hash of the global θ it holds. The training thread only copies that state
+to the host; a writer thread puts it on disk while the next inner steps run (one write at a
+time: a save waits for the write before it, and ``close`` for the last). A site that starts again with the same id
 joins, pulls θ whole and then restores:
 
 * the inner optimizer state always (moments a few rounds old beat zeros);
@@ -17,7 +19,8 @@ joins, pulls θ whole and then restores:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +50,16 @@ class SiteCheckpointer:
     sampler: ShardSampler
     log: Callable[[str], None] = print
 
-    def save(self, *, round: int, global_sha256: str, residual: dict[str, torch.Tensor] | None, tokens: int) -> Path:
-        """The checkpoint for ``round``, the round the site is about to train."""
-        state = {
+    background: bool = True  # write on a thread of its own (False: save returns once it is on disk)
+    _writer: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    _pending: Future[Path] | None = field(default=None, init=False, repr=False)
+
+    def save(self, *, round: int, global_sha256: str, residual: dict[str, torch.Tensor] | None, tokens: int) -> Future[Path]:
+        """The checkpoint for ``round``, the round the site is about to train: its state copied
+        now, written in the background (or at once: ``background`` False); the future ends
+        when the file is on disk, with its path."""
+        self.wait()  # the write before it is on disk (or its error raised) first
+        state = _host_copy({
             "run_id": self.run_id,
             "round": round,
             "global_sha256": global_sha256,
@@ -58,8 +68,30 @@ class SiteCheckpointer:
             "sampler": self.sampler.state_dict(),
             "residual": residual,
             "tokens": tokens,
-        }
-        return save_checkpoint(self.directory, round, state)
+        })  # fmt: skip
+        if not self.background:
+            done: Future[Path] = Future()
+            done.set_result(save_checkpoint(self.directory, round, state))
+            return done
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="site-checkpoint")
+        self._pending = self._writer.submit(save_checkpoint, self.directory, round, state)
+        return self._pending
+
+    def wait(self) -> None:
+        """Returns once the write in flight (if any) is on disk; raises what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Waits for the last write and stops the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     def restore(self, *, round: int, global_sha256: str, set_residual: Callable[[dict[str, torch.Tensor] | None], None]) -> Restored | None:
         """Loads the newest good checkpoint of this run into the trainer, sampler and residual
@@ -67,6 +99,7 @@ class SiteCheckpointer:
         ``global_sha256``; None when there is none, or none usable (logged, naming the file:
         the site starts fresh, nothing restored). CheckpointError naming the file when its
         sampler state is another shard's (the optimizer state is restored by then)."""
+        self.wait()
         try:
             loaded = load_latest(self.directory)
         except CheckpointError as e:
@@ -98,6 +131,18 @@ class SiteCheckpointer:
             set_residual(state["residual"])
             self.trainer.steps_done = state["steps_done"]
         return Restored(round=state["round"], exact=exact, hash_matches=state["global_sha256"] == global_sha256, tokens=state["tokens"])
+
+
+def _host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory: what training goes on to change (the
+    optimizer's moments, in place) cannot reach the state being written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
 
 
 # What ``save`` writes, by type: a checksummed file of this run with anything else was

@@ -46,11 +46,13 @@ def exchange(
     stats: SyncStats,
     times: dict[str, float],
     log: Callable[[str], None],
+    on_committed: Callable[[], None] | None = None,
 ) -> tuple[RoundOutcome, Assembler | None]:
     """Push, wait, pull for one round: (APPLIED, the pulled update) or the outcome that catching
     up needs. Adds the seconds of each step to ``times``. ``pushes``: the round's push, or its
     parts (striped: each on its own stream at once); ``pulls``: what each pull stream asks for
-    (one entry: a plain pull), into ``new_assembler()`` (a ``StripedPull`` for several)."""
+    (one entry: a plain pull), into ``new_assembler()`` (a ``StripedPull`` for several).
+    ``on_committed`` is called once the round is committed, before the pull."""
     header = pushes[0][0]
     site, r = header.site_id, header.round
 
@@ -79,6 +81,8 @@ def exchange(
             t = time.perf_counter()
             wait_committed(client, site, r, timeouts, log)
             times["wait_s"] += time.perf_counter() - t
+            if on_committed is not None:
+                on_committed()
             t = time.perf_counter()
             assembler = new_assembler()
             _pull_all(client, site, r, pulls, assembler)

@@ -61,7 +61,9 @@ class RoundLoop:
     ) -> None:
         self.sync, self.schedule = sync, schedule
         self._step, self._tokens_per_step, self._on_round, self._mean, self._budget_s = step, tokens_per_step, on_round, mean, budget_s
-        self.inflight = InFlight(sync) if schedule.overlapped else None
+        # Overlapped rounds, and streaming's flush rounds (F > 1): up to F in flight at the run's end.
+        flushes = schedule.train_rounds is not None and schedule.fragments > 1
+        self.inflight = InFlight(sync, lanes=schedule.fragments if flushes else 1) if schedule.overlapped or flushes else None
         self.stats = LoopStats()
         # Steps of the phase being trained, or of the one just trained until its push: what
         # the site has trained beyond the rounds before it (site.py sets its lr schedule from it).
@@ -74,17 +76,19 @@ class RoundLoop:
         self.stats.started = time.monotonic()
         try:
             while self._next_push() < sync.total_rounds:
+                if inflight is not None and self.schedule.flushes(self._next_push()):
+                    self._flush()
+                    break
                 losses = self._phase()
                 if inflight is not None and inflight.busy:
                     self._land()  # delayed/eager: the round pushed a phase ago lands before this phase's push
                 if sync.finished:
                     break  # caught up past the last round: this phase's work has nowhere to go
                 self.steps_per_round[sync.round] = len(losses)
-                # A flush round (no steps) weighs 1 token per site: the sites' Δs count equally.
                 loss = self._mean(sum(losses) / len(losses)) if losses else math.nan
                 pending = sync.begin(tokens=max(1, len(losses) * self._tokens_per_step), train_loss=loss, inner_steps=len(losses))
                 self.phase_steps = 0  # its steps are in the round pushed now
-                if inflight is None:
+                if inflight is None or not self.schedule.overlapped:
                     t = time.perf_counter()
                     digest = sync.finish(sync.exchange(pending))
                     self.stats.stall_s += time.perf_counter() - t
@@ -93,7 +97,7 @@ class RoundLoop:
                 inflight.launch(pending)
                 if self.schedule.outer_mode != "blocking":
                     sync.restart_phase(pending)
-            if inflight is not None and inflight.busy:
+            while inflight is not None and inflight.busy:
                 self._land()
         finally:
             if inflight is not None:
@@ -105,8 +109,24 @@ class RoundLoop:
             sync.load_global()  # the last phase started from its own start point; the run ends at θ
 
     def _next_push(self) -> int:
-        """The round this site pushes next: the open one, or the one after the round in flight."""
-        return self.sync.round + (1 if self.inflight is not None and self.inflight.busy else 0)
+        """The round this site pushes next: the open one, or the one after the rounds in flight."""
+        return self.sync.round + (self.inflight.count if self.inflight is not None else 0)
+
+    def _flush(self) -> None:
+        """Streaming's flush rounds, which no training is left to hide: each is pushed as soon
+        as the round before it is committed, while that round's update is still being pulled
+        (a link carries both ways at once), instead of one whole exchange after another; they
+        land in order after the last. Their fragments are none of those in flight, so their Δ
+        does not wait for those updates. The waits count as stalls."""
+        sync, inflight = self.sync, self.inflight
+        assert inflight is not None
+        t = time.perf_counter()
+        for r in range(self._next_push(), sync.total_rounds):
+            if inflight.busy:
+                inflight.committed()
+            self.steps_per_round[r] = 0
+            inflight.launch(sync.begin(tokens=1, train_loss=math.nan, inner_steps=0, round=r))  # 1 token: the sites' Δs count equally
+        self.stats.stall_s += time.perf_counter() - t
 
     def _land(self) -> None:
         assert self.inflight is not None

@@ -323,9 +323,11 @@ class OuterSync:
         """
         return self.finish(self.exchange(self.begin(tokens=tokens, train_loss=train_loss, inner_steps=inner_steps)))
 
-    def begin(self, *, tokens: int, train_loss: float, inner_steps: int) -> PendingRound:
-        """Δ of this round (with the error feedback), encoded, and the header of its push."""
-        r = self.round
+    def begin(self, *, tokens: int, train_loss: float, inner_steps: int, round: int | None = None) -> PendingRound:
+        """Δ of this round (with the error feedback), encoded, and the header of its push.
+        ``round``: a later round than the open one, pushed before the rounds in flight land (a
+        streaming run's flush rounds: their fragments are not the ones in flight)."""
+        r = self.round if round is None else round
         t0 = time.perf_counter()
         names = self.names_of(r)
         pushed = {n: h for n, h in self.layout.held().items() if h.push and n in names}
@@ -414,14 +416,15 @@ class OuterSync:
         stripes = [s for s in stripe_boxes(held, {n: self._specs[n].shape for n in held}, self.options.streams, split_rows=self._want is None) if s]
         return list(stripes), lambda: StripedPull(self._specs, stripes, held)
 
-    def exchange(self, pending: PendingRound) -> PendingRound:
+    def exchange(self, pending: PendingRound, on_committed: Callable[[], None] | None = None) -> PendingRound:
         """Push, wait, pull: the network part of a round. Reads and writes no model state, so it
-        may run on another thread while the next inner phase trains."""
+        may run on another thread while the next inner phase trains; ``on_committed`` is called
+        when the round is committed, before the pull."""
         if self.before_push is not None:
             self.before_push(pending.header.round)
         pulls, assembler = self._pull_plan(pending.names)
         pending.outcome, pending.update = exchange(
-            self.client, pending.parts or [(pending.header, pending.chunks)], pulls, assembler, self.options.timeouts, self.stats, pending.times, self._log
+            self.client, pending.parts or [(pending.header, pending.chunks)], pulls, assembler, self.options.timeouts, self.stats, pending.times, self._log, on_committed
         )
         return pending
 
@@ -432,6 +435,8 @@ class OuterSync:
         r = pending.header.round
         outcome = pending.outcome.agreed(self.layout.agree(pending.outcome.bits()))  # every rank goes the same way
         self._eval = None  # sent (or, if the push did not count, a stale evaluation: dropped)
+        if r != self.round:  # pipelined after a round that caught up: θ as pulled then holds this one, or is pulled again
+            return self._catch_up(r, RoundOutcome(catch_up=True)) if r > self.round else params_sha256(self.global_params)
         if self.feedback is not None and not outcome.dropped and not outcome.refused and not pending.diverged:
             self.feedback.carry(pending.residual)  # only a push that counted moves the residual on
         if not outcome.applied:

@@ -18,7 +18,9 @@ The inner loop blocks on the network only when a merge is due and its round has 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -87,6 +89,10 @@ class SyncSchedule:
             return self.early[round]
         return self.round_steps if self.train_rounds is None or round < self.train_rounds else 0
 
+    def flushes(self, round: int) -> bool:
+        """Round ``round`` is a flush round (no inner steps before its push)."""
+        return self.train_rounds is not None and round >= self.train_rounds
+
     def steps_before(self, round: int) -> int:
         """Inner steps of rounds 0 .. ``round`` − 1: where round ``round`` starts in the lr
         schedule and the data."""
@@ -117,28 +123,48 @@ class SyncSchedule:
 
 
 class InFlight:
-    """At most one round's exchange (push, wait, pull) running on a background thread."""
+    """Rounds' exchanges (push, wait, pull) running on background threads: one at a time while
+    the site trains; at the end of a streaming run several, pipelined (``RoundLoop``'s tail)."""
 
-    def __init__(self, sync: OuterSync) -> None:
+    def __init__(self, sync: OuterSync, lanes: int = 1) -> None:
         self._sync = sync
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="site-sync")
-        self._future: Future[PendingRound] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="site-sync")
+        self._lanes = lanes
+        self._rounds: deque[tuple[Future[PendingRound], threading.Event]] = deque()
         self.stall_s = 0.0  # the inner loop's wait for rounds that had not landed when due
         self.stalls = 0
 
     @property
     def busy(self) -> bool:
-        return self._future is not None
+        return bool(self._rounds)
+
+    @property
+    def count(self) -> int:
+        """Rounds in flight."""
+        return len(self._rounds)
 
     def launch(self, pending: PendingRound) -> None:
-        assert self._future is None, "one round in flight at a time"
-        self._future = self._pool.submit(self._sync.exchange, pending)
+        assert len(self._rounds) < self._lanes, f"at most {self._lanes} rounds in flight"
+        committed = threading.Event()
+
+        def run() -> PendingRound:
+            try:
+                return self._sync.exchange(pending, on_committed=committed.set)
+            finally:
+                committed.set()  # or it ended without a commit (refused, late, failed)
+
+        self._rounds.append((self._pool.submit(run), committed))
+
+    def committed(self) -> None:
+        """Returns once the newest round in flight is committed (or its exchange ended), so the
+        next round may be pushed: the coordinator has opened it."""
+        self._rounds[-1][1].wait()
 
     def land(self) -> PendingRound:
-        """The round in flight, once its exchange is done (re-raising what it raised); the wait
-        counts as a stall when it had not finished."""
-        assert self._future is not None, "no round in flight"
-        future, self._future = self._future, None
+        """The oldest round in flight, once its exchange is done (re-raising what it raised); the
+        wait counts as a stall when it had not finished."""
+        assert self._rounds, "no round in flight"
+        future, _ = self._rounds.popleft()
         if not future.done():
             t = time.perf_counter()
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,10 @@ def _restore(directory: Path, trainer: InnerTrainer, sampler: ShardSampler, roun
 
 
 def _save(directory: Path, trainer: InnerTrainer, sampler: ShardSampler, round: int, residual, tokens: int) -> Path:
-    return SiteCheckpointer(directory, "run-a", trainer, sampler).save(round=round, global_sha256=f"h{round}", residual=residual, tokens=tokens)
+    checkpointer = SiteCheckpointer(directory, "run-a", trainer, sampler)
+    written = checkpointer.save(round=round, global_sha256=f"h{round}", residual=residual, tokens=tokens)
+    checkpointer.close()
+    return written.result()
 
 
 def test_exact_resume_continues_as_if_never_stopped(tmp_path: Path) -> None:
@@ -54,6 +58,56 @@ def test_exact_resume_continues_as_if_never_stopped(tmp_path: Path) -> None:
     assert restored is not None and restored.exact and restored.hash_matches and restored.tokens == 77
     assert torch.equal(got["residual"]["w"], residual["w"]) and again.steps_done == 3
     assert _train(again, sampler2, 3) == expected  # same losses: optimizer moments and data came back
+
+
+def test_training_on_while_the_checkpoint_is_written_does_not_reach_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer thread is held until the site has trained 3 more steps (AdamW changes its
+    # moments in place): the file must hold the state as it was at save().
+    import diloco.site.checkpoint as site_checkpoint
+
+    release = threading.Event()
+    write = site_checkpoint.save_checkpoint
+
+    def held(*args, **kwargs):
+        assert release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(site_checkpoint, "save_checkpoint", held)
+    trainer, sampler = _site()
+    _train(trainer, sampler, 3)
+    theta = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    checkpointer = SiteCheckpointer(tmp_path, "run-a", trainer, sampler)
+    written = checkpointer.save(round=3, global_sha256="h3", residual=None, tokens=5)
+    expected = _train(trainer, sampler, 3)  # while the write waits
+    assert not written.done()
+    release.set()
+    checkpointer.close()
+    assert written.result().is_file()
+    again, sampler2 = _site()
+    with torch.no_grad():
+        for n, p in again.model.named_parameters():
+            p.copy_(theta[n])
+    restored, _ = _restore(tmp_path, again, sampler2, round=3)
+    assert restored is not None and restored.exact
+    assert _train(again, sampler2, 3) == expected
+
+
+def test_a_failed_background_write_is_raised_by_the_next_save_and_by_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import diloco.site.checkpoint as site_checkpoint
+
+    def broken(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(site_checkpoint, "save_checkpoint", broken)
+    trainer, sampler = _site()
+    checkpointer = SiteCheckpointer(tmp_path, "run-a", trainer, sampler)
+    checkpointer.save(round=1, global_sha256="h1", residual=None, tokens=1)
+    with pytest.raises(OSError, match="No space left"):  # round 1's write failed: round 2 is not written
+        checkpointer.save(round=2, global_sha256="h2", residual=None, tokens=2)
+    checkpointer.save(round=3, global_sha256="h3", residual=None, tokens=3)
+    with pytest.raises(OSError, match="No space left"):
+        checkpointer.close()
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_later_round_restores_only_the_optimizer(tmp_path: Path) -> None:

@@ -40,10 +40,11 @@ def _params(model: nn.Module) -> dict[str, float]:
 class Site:
     """A coordinator (outer SGD) on 127.0.0.1:0 and one site's OuterSync, stopped at the end."""
 
-    def __init__(self, rounds: int, options: SyncOptions, outer: OuterConfig) -> None:
+    def __init__(self, rounds: int, options: SyncOptions, outer: OuterConfig, flush_rounds: int = 0) -> None:
         self.model = TwoLayers()
         theta0 = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
-        self.coordinator = Coordinator(theta0, outer, CoordinatorConfig(total_rounds=rounds, fragments=options.fragments))
+        config = CoordinatorConfig(total_rounds=rounds, fragments=options.fragments, flush_rounds=flush_rounds)
+        self.coordinator = Coordinator(theta0, outer, config)
         self.server, port = serve(self.coordinator, "127.0.0.1", 0)
         self.client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30)
         self.sync = OuterSync(self.model, self.client, "0", options)
@@ -51,14 +52,23 @@ class Site:
         self.phase_starts: list[dict[str, float]] = []  # the model when each inner phase began
         self.steps_taken = 0
         self.places: list[tuple[int, int]] = []  # at each landed round: (the schedule's place, the steps taken)
-        begin = self.sync.begin
+        self.events: list[tuple[str, int]] = []  # ("push", round) at each begin, ("land", round) at each finish
+        self.finished: list[object] = []  # every PendingRound finished
+        begin, finish = self.sync.begin, self.sync.finish
 
         def recording_begin(**kw: object) -> object:
             pending = begin(**kw)  # type: ignore[arg-type]
             self.pushed.append({c.name: float(torch.frombuffer(bytearray(c.payload[:4]), dtype=torch.float32)[0]) for c in pending.chunks})
+            self.events.append(("push", pending.header.round))
             return pending
 
+        def recording_finish(pending: object) -> str:
+            self.events.append(("land", pending.header.round))  # type: ignore[attr-defined]
+            self.finished.append(pending)
+            return finish(pending)  # type: ignore[arg-type]
+
         self.sync.begin = recording_begin  # type: ignore[method-assign]
+        self.sync.finish = recording_finish  # type: ignore[method-assign]
 
     def step(self, _round: int, step: int) -> float:
         self.steps_taken += 1
@@ -90,8 +100,8 @@ class Site:
 def site_factory() -> Iterator:
     made: list[Site] = []
 
-    def make(rounds: int, options: SyncOptions, outer: OuterConfig) -> Site:
-        made.append(Site(rounds, options, outer))
+    def make(rounds: int, options: SyncOptions, outer: OuterConfig, flush_rounds: int = 0) -> Site:
+        made.append(Site(rounds, options, outer, flush_rounds))
         return made[-1]
 
     yield make
@@ -135,6 +145,29 @@ def test_the_delta_merge_keeps_the_overlapped_steps(site_factory) -> None:
     assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.0}
     assert _params(site.model) == {A: -5.0, B: -4.0}
     assert site.sync.global_sha256() == site.coordinator.global_sha256()
+
+
+@pytest.mark.parametrize("overlap", [1, 0])
+def test_the_flush_round_is_pushed_while_the_last_round_lands_by_hand(site_factory, overlap: int) -> None:
+    # The delta merge's trace above (τ=1; with τ=0 the blocking trace below: the same pushes
+    # and θ), then a flush round: fragment A trained steps 7-8 after its last push (r2), so
+    # round 4 pushes them and averages them into θ without the outer step. Pushed at step 8,
+    # as soon as round 3 is committed, before round 3 lands (τ=1: round 3 is still in flight).
+    # r4: Δ_A = G_A − L_A = −3 − (−5) = 2 → θ_A = −3 − 2 = −5 (an outer step would be −4).
+    # r3 lands: G_B = −2 − .5·4 = −4, L_B = −4. θ = model = (−5, −4).
+    site = site_factory(5, SyncOptions(fragments=2, merge="delta"), SGD_HALF, flush_rounds=1)
+    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=overlap, train_rounds=4))
+    assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}, {A: 2.0}]
+    assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -5.0, B: -4.0}
+    assert _params(site.model) == {A: -5.0, B: -4.0}
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+    assert loop.steps_per_round == {0: 2, 1: 2, 2: 2, 3: 2, 4: 0}
+    tail = [("push", 3), ("push", 4), ("land", 3), ("land", 4)] if overlap else [("push", 3), ("land", 3), ("push", 4), ("land", 4)]
+    assert site.events[-4:] == tail
+    # A round finished again after θ moved past it (a pipelined round after one that caught
+    # up) changes nothing.
+    digest, theta = site.sync.global_sha256(), _params(site.model)
+    assert site.sync.finish(site.finished[3]) == digest and _params(site.model) == theta and site.sync.round == 5
 
 
 def test_blocking_fragments_replace_each_landed_fragment(site_factory) -> None:

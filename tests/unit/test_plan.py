@@ -20,6 +20,7 @@ from diloco.plan.model import (
     plan_from_mapping,
     plan_report,
     predict,
+    run_utilization,
 )
 
 # A coordinator run small enough to follow by hand: 1e8 parameters at 8 bits each way, 2 sites
@@ -95,6 +96,19 @@ def test_a_straggle_in_seconds_is_paid_at_every_sync_whatever_its_interval() -> 
     both = predict(replace(BASE, fragments=4, overlap_steps=9, straggle=0.02, straggle_s=0.2))
     assert both.stall_s == pytest.approx(4 * (0.05 + 0.2))
     assert predict(replace(BASE, straggle_s=0.2)).stall_s == pytest.approx(2.0 + 0.2)
+
+
+def test_a_whole_run_pays_the_last_sync_and_the_pipelined_flush_rounds() -> None:
+    # Blocking pays every sync anyway: the whole run is the steady state.
+    assert run_utilization(BASE, 10) == pytest.approx(10 / 12)
+    # F = 4, τ = 9: nothing stalls while training (10 rounds of 10 s), then the last fragment's
+    # sync whole (0.8 s) and 3 flush rounds, each pushed once the one before is committed, so
+    # each adds its push leg: 2.5e7 × 8 bits up at 1 Gbit/s (0.2 s) + one RTT + 0.3 s overhead.
+    streaming = replace(BASE, fragments=4, overlap_steps=9)
+    assert run_utilization(streaming, 10) == pytest.approx(100 / (100 + 0.8 + 3 * (0.2 + 0.05 + 0.3)))
+    assert run_utilization(streaming, 10, tail=False) == 1.0
+    with pytest.raises(PlanError, match="rounds=0"):
+        run_utilization(BASE, 0)
 
 
 @pytest.mark.parametrize("outer_mode", ["eager", "delayed"])
