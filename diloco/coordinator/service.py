@@ -117,7 +117,10 @@ class Coordinator(PushIntake):
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
-        average_from = self.cfg.total_rounds - self.cfg.flush_rounds if self.cfg.flush_rounds else None
+        # Streaming's flush rounds average; with outer.final_average so do each fragment's last
+        # rounds of training (blocking: the last round).
+        trained = self.cfg.total_rounds - self.cfg.flush_rounds
+        average_from = trained - self.cfg.fragments if self._outer_cfg.final_average else trained if self.cfg.flush_rounds else None
         self._outer = OuterOptimizer(params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments, average_from=average_from)
         self._specs = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}

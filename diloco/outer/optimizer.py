@@ -33,6 +33,9 @@ class OuterConfig:
     lr_min_ratio: float = 0.0
     momentum_warmup: int = 0  # outer steps of a linear momentum warm-up from 0 (0: none)
     auto: bool = True  # the run's default outer step when it sets none (diloco.outer.defaults); false: exactly what is written
+    # Each parameter's last outer step is an average (θ − mean Δ) instead: the run ends on what
+    # the sites trained, not extrapolated once more by the momentum (docs/outer.md).
+    final_average: bool = False
 
     def __post_init__(self) -> None:
         if self.name != "DelayedNesterov" and not isinstance(getattr(torch.optim, self.name, None), type):
@@ -41,8 +44,9 @@ class OuterConfig:
             raise ValueError(f"outer.lr={self.lr}: must be a finite number > 0")
         if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or not (math.isfinite(self.momentum) and self.momentum >= 0):
             raise ValueError(f"outer.momentum={self.momentum}: must be a finite number >= 0")
-        if not isinstance(self.auto, bool):
-            raise ValueError(f"outer.auto={self.auto!r}: must be true or false")
+        for flag in ("auto", "final_average"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"outer.{flag}={getattr(self, flag)!r}: must be true or false")
         schedule = self.schedule  # checks its own fields
         if schedule.momentum_warmup and self.name not in MOMENTUM_OPTIMIZERS:
             raise ValueError(f"outer.momentum_warmup={schedule.momentum_warmup}: only for {' and '.join(MOMENTUM_OPTIMIZERS)} (outer.name={self.name})")

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from diloco.app.config import ConfigError, run_config_from_dict
+from diloco.codec import get_codec
+from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.outer import OuterConfig, OuterOptimizer, OuterSchedule
+from diloco.types import PushHeader
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 
 def test_lr_warmup_then_cosine_decay_by_hand() -> None:
@@ -61,6 +66,33 @@ def test_flush_rounds_average_into_theta_without_the_outer_step() -> None:
     assert float(update["w"]) == -1.0 and float(outer.params["w"]) == pytest.approx(-2.45)
     assert float(outer._opt.state[outer.params["w"]]["momentum_buffer"]) == pytest.approx(1.9)
     assert float(outer.params["v"]) == pytest.approx(-1.45)
+
+
+@pytest.mark.parametrize("fragments, flush", [(1, 0), (2, 1)])
+def test_final_average_ends_each_parameter_on_an_average(fragments: int, flush: int) -> None:
+    # Heavy ball lr 0.5, momentum 0.9, one site pushing Δ = 1 each round, 3 outer steps per
+    # parameter. Blocking: w = −0.5 (buf 1), −1.45 (buf 1.9), then the last round averages:
+    # −2.45 (a step would have made it −1.45 − 0.5·2.71 = −2.805). Two fragments (rounds
+    # w v w v w v, then a flush round for w): each one's third round averages, as does the flush.
+    cfg = OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False, final_average=True)
+    w, v = "blocks.0.w", "blocks.1.w"  # numbered layers: fragments=2 puts one in each
+    theta = {w: torch.zeros(1), v: torch.zeros(1)}
+    trained = 3 * fragments
+    coord = Coordinator(theta, cfg, CoordinatorConfig(total_rounds=trained + flush, fragments=fragments, flush_rounds=flush))
+    coord.join("a", fingerprint(theta).values(), fragments=fragments)
+    names = [[w, v]] * 3 if fragments == 1 else [[w], [v]] * 3 + [[w]]
+    for r, pushed in enumerate(names):
+        delta = {n: torch.ones(1) for n in pushed}
+        coord.push(PushHeader(site_id="a", round=r, tokens=1, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
+    final = coord.global_params()
+    assert float(final[v]) == pytest.approx(-2.45)
+    assert float(final[w]) == pytest.approx(-2.45 - flush)  # the flush round averages its Δ in too
+    assert OuterOptimizer(theta, cfg).average_from is None  # the optimizer alone: told by the coordinator
+
+
+def test_final_average_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="outer.final_average='yes'"):
+        OuterConfig(final_average="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["SGD", "DelayedNesterov"])
