@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from diloco.model import build_model, lm_loss, model_config
 from diloco.site.inner import InnerConfig, InnerTrainer, evaluate_bpb, lr_factor
@@ -64,3 +65,21 @@ def test_evaluate_bpb_is_loss_in_bits() -> None:
 def test_inner_config_names_bad_fields(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"inner.{field}"):
         InnerConfig(**{field: value})
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_step_flushes_subnormal_floats_only_while_it_runs(flush: bool) -> None:
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormal floats (no SSE3)")
+    tiny = torch.tensor([1e-39])  # a subnormal float32
+    trainer = InnerTrainer(nn.Linear(2, 2), InnerConfig(flush_denormal=flush), total_steps=4)
+    seen: list[float] = []
+    trainer._step = lambda _x, _y: seen.append(float(tiny * 1.0)) or 0.0  # type: ignore[method-assign]
+    trainer.step(torch.zeros(1), torch.zeros(1))
+    assert seen == [0.0 if flush else pytest.approx(1e-39, rel=1e-3)]
+    assert float(tiny * 1.0) > 0  # the outer step's arithmetic after it keeps them
+
+
+def test_flush_denormal_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="inner.flush_denormal='yes'"):
+        InnerConfig(flush_denormal="yes")  # type: ignore[arg-type]
