@@ -12,6 +12,7 @@ from diloco.coordinator.init_file import InitFileError
 from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
 from diloco.data import DataError
 from diloco.io import exit_process
+from diloco.site.device import flush_denormals
 from diloco.observe.logs import setup_logging
 
 
@@ -19,6 +20,7 @@ from diloco.observe.logs import setup_logging
 def _main(cfg: DictConfig) -> None:
     try:
         rc = run_config(cfg, SECTIONS["coordinator"])
+        flush_denormals(rc.inner.flush_denormal)  # the process's setting, before its threads start
         opts = CoordinatorOptions(**section(cfg, "coordinator"), metrics=process_metrics(cfg), status=process_status(cfg))
         run_coordinator(rc, opts, run_dir(), log=setup_logging("coordinator", json=rc.logging.json))
         exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)

@@ -9,6 +9,7 @@ from diloco.cli.common import SECTIONS, fail, process_metrics, process_progress,
 from diloco.app.config import ConfigError
 from diloco.data import DataError
 from diloco.io import exit_process
+from diloco.site.device import flush_denormals
 from diloco.observe.logs import setup_logging
 from diloco.app.site import SiteOptions, run_site
 from diloco.transport import RemoteError
@@ -18,6 +19,7 @@ from diloco.transport import RemoteError
 def _main(cfg: DictConfig) -> None:
     try:
         rc = run_config(cfg, SECTIONS["site"])
+        flush_denormals(rc.inner.flush_denormal)  # the process's setting, before its threads start
         s = section(cfg, "site")
         opts = SiteOptions(
             site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]), checkpoint_dir=s["checkpoint_dir"],

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from diloco.app.config import run_config_from_dict
+from diloco.site.device import flush_denormals
 from diloco.observe.config import MetricsConfig
 from diloco.observe.logs import setup_logging
 from diloco.observe.status_page import StatusConfig
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
     cfg = run_config_from_dict(json.loads(args.config.read_text()))
+    flush_denormals(cfg.inner.flush_denormal)  # the process's setting, before its threads start
     process = {"coordinator": "coordinator", "site": f"site {args.site_id}", "worker": f"rank {args.rank}"}[args.role]
     skip = [int(i) for i in args.skip_faults.split(",") if i]
     faults_file = args.run_dir / FAULTS_FILE

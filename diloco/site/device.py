@@ -29,3 +29,13 @@ def configure_cuda(device: torch.device, tf32: bool) -> None:
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+
+
+def flush_denormals(on: bool) -> bool:
+    """Subnormal floats flushed to zero in this process's CPU arithmetic (``inner.flush_denormal``);
+    True if the CPU can (x86 with SSE3). A thread's setting is its own and a new thread takes
+    its creator's, so this is called at the start of a process, before torch's worker threads
+    and the process's own threads exist; every process of a run (sites, coordinator, baselines)
+    calls it with the run's setting, so that the outer step's arithmetic is the same on every
+    copy of θ."""
+    return bool(torch.set_flush_denormal(on))

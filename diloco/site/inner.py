@@ -25,8 +25,9 @@ class InnerConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     bf16: bool = False  # autocast forward/backward to bfloat16
     # On the CPU, values below 1.2e-38 (subnormal floats: the softmax of bytes a confident model
-    # rules out) cost x86 cores up to ~100x an ordinary multiply; flushed to zero for the step,
-    # a step keeps its speed as the model learns (scripts/bench_flush_denormal.py).
+    # rules out) cost x86 cores many times an ordinary multiply; flushed to zero (the whole
+    # process: diloco.site.device.flush_denormals), a step keeps its speed as the model learns
+    # (scripts/bench_flush_denormal.py).
     flush_denormal: bool = True
 
     def __post_init__(self) -> None:
@@ -124,18 +125,7 @@ class InnerTrainer:
         self.device = model_device(model)  # batches go where the parameters are
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on a batch; returns the loss in nats per token. With
-        ``flush_denormal`` the step's CPU arithmetic flushes subnormal floats to zero (this
-        thread's only, and only during the step: the outer step's arithmetic, which every copy
-        of θ must repeat bit for bit, is untouched)."""
-        flushing = self.cfg.flush_denormal and torch.set_flush_denormal(True)
-        try:
-            return self._step(x, y)
-        finally:
-            if flushing:
-                torch.set_flush_denormal(False)
-
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on a batch; returns the loss in nats per token."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * lr_factor(self.steps_done, self.total_steps, self.cfg)
         self.model.train()
