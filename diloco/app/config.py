@@ -30,7 +30,7 @@ EVAL_BY = ("auto", "coordinator", "sites")
 DEVICES = ("auto", "cpu", "cuda")
 # Layouts that cut the built-in transformer's own modules (heads, MLP halves, pipeline stages).
 BUILTIN_ONLY_LAYOUTS = ("tp2", "tp2_fsdp2", "pp2")
-OUTER_FROM_CODEC = ("name", "lr", "momentum", "nesterov", "momentum_warmup", "lr_decay", "lr_min_ratio")  # outer fields the codec's best (or the auto rule) decides unless set
+OUTER_FROM_CODEC = ("name", "lr", "momentum", "nesterov", "momentum_warmup", "lr_decay", "lr_min_ratio", "final_average")  # outer fields the codec's best (or the auto rule) decides unless set
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
