@@ -142,7 +142,7 @@ def test_a_codec_brings_its_best_settings_unless_they_are_set(codec: str, aggreg
 
     sparse = codec.startswith("topk2bit")
     # Dense codecs: the outer.auto rule for a 10-round run (tests/unit/test_outer_defaults.py).
-    best_outer = OuterConfig(lr=1.25, momentum=0.0, nesterov=False) if sparse else OuterConfig(lr=1.0, momentum=0.9, momentum_warmup=10)
+    best_outer = OuterConfig(lr=1.25, momentum=0.0, nesterov=False) if sparse else OuterConfig(lr=1.0, momentum=0.9, momentum_warmup=10, final_average=True)
     for cfg in (run_config_from_dict({"codec": codec}), RunConfig(codec=codec), run_config_from_dict({**run_config_defaults(), "codec": codec})):
         assert (cfg.aggregate, cfg.error_feedback_decay, cfg.outer) == (aggregate, decay, best_outer)
         assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
