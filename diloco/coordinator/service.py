@@ -592,13 +592,23 @@ class Coordinator(PushIntake):
             self._require_healthy()
             return self._status()
 
-    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None) -> list[Chunk]:
+    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0) -> list[Chunk] | None:
         """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
-        the chunks that hold rows of those slices (what one rank of a sharded site needs)."""
+        the chunks that hold rows of those slices (what one rank of a sharded site needs). With
+        ``wait_s`` > 0 it first waits that long for the round's commit, and returns None if the
+        round is still open then (``wait_round`` and the pull in one call)."""
         with self._cv:
             self._require_member(site_id)
             self._require_ready()
             self._downlink.check_want(want)
+            if wait_s > 0:
+                if not 0 <= round < self.cfg.total_rounds:
+                    raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
+                self._cv.wait_for(lambda: self._open > round or self.failed is not None, timeout=wait_s)
+                self._require_healthy()
+                if round >= self._open:
+                    return None
+                self._require_member(site_id)  # it may have been dropped while it waited
             if round >= self._open:
                 raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
             return self._downlink.update(round, want)

@@ -316,12 +316,33 @@ class _FaultyClient:
         self._f.plan.kill(index, round=round, phase="push", site=self._f.site)
         yield from it
 
-    def pull_update(self, site_id: str, round: int, want: Any = None, lane: int = 0) -> Any:
+    def pull_update(self, site_id: str, round: int, want: Any = None, lane: int = 0, **wait: Any) -> Any:
         self._check_partition()
-        chunks = self._client.pull_update(site_id, round, want, lane=lane)
+        return self._pulled(round, self._client.pull_update(site_id, round, want, lane=lane, **wait))
+
+    def start_pull(self, site_id: str, round: int, want: Any = None, lane: int = 0, wait_s: float = 30.0) -> Any:
+        self._check_partition()
+        return _FaultyPull(self._client.start_pull(site_id, round, want, lane=lane, wait_s=wait_s), self, round)
+
+    def _pulled(self, round: int, chunks: Any) -> Any:
+        if chunks is None:
+            return None  # still open: no pull yet
         for i, _ in self._f._events("kill_site", at_round=round, phase="pull"):
             self._f.plan.kill(i, round=round, phase="pull", site=self._f.site)
         return chunks
+
+
+class _FaultyPull:
+    """A started pull whose result meets the pull phase's faults."""
+
+    def __init__(self, call: Any, client: _FaultyClient, round: int) -> None:
+        self._call, self._client, self._round = call, client, round
+
+    def result(self, on_committed: Any = None) -> Any:
+        return self._client._pulled(self._round, self._call.result(on_committed))
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 def _scaled(chunk: Any, factor: float) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import grpc
 
@@ -140,10 +140,29 @@ class CoordinatorClient:
             raise _remote(e) from None
         return serde.status_from_proto(reply)
 
-    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None, lane: int = 0) -> list[Chunk]:
-        """Round ``round``'s encoded update; with ``want``, only the chunks overlapping those slices."""
+    def pull_update(
+        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, lane: int = 0, wait_s: float = 0.0, on_committed: Callable[[], None] | None = None
+    ) -> list[Chunk] | None:
+        """Round ``round``'s encoded update; with ``want``, only the chunks overlapping those slices.
+        With ``wait_s`` > 0 the coordinator first waits up to that long for the round's commit:
+        None if it is still open then (``start_pull``)."""
+        if wait_s <= 0:
+            stub = self._stubs[lane % len(self._stubs)]
+            return self._pull(stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want)))
+        return self.start_pull(site_id, round, want, lane, wait_s).result(on_committed)
+
+    def start_pull(self, site_id: str, round: int, want: Mapping[str, Box] | None = None, lane: int = 0, wait_s: float = 30.0) -> PullCall:
+        """Sends a PullUpdate that the coordinator holds until round ``round`` is committed (up to
+        ``wait_s``) and returns at once: the site may send it before its push has been answered,
+        so that the update leaves the coordinator the moment the round closes."""
+        if not wait_s > 0:
+            raise ValueError(f"start_pull: wait_s={wait_s!r} must be > 0")
         stub = self._stubs[lane % len(self._stubs)]
-        return self._pull(stub.PullUpdate, pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want)))
+        req = pb.PullRequest(site_id=site_id, round=round, want=serde.boxes_to_proto(want), wait_s=wait_s)
+        try:
+            return PullCall(stub.PullUpdate(req, timeout=wait_s + self.timeout_s, wait_for_ready=True, metadata=self._md), round)
+        except grpc.RpcError as e:
+            raise _remote(e) from None
 
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
         """θ after the last committed round: the round status (its ``committed_rounds`` is
@@ -177,3 +196,30 @@ class CoordinatorClient:
             self._stub.Leave(req, timeout=self.timeout_s, wait_for_ready=True, metadata=self._md)
         except grpc.RpcError as e:
             raise _remote(e) from None
+
+
+class PullCall:
+    """A waiting PullUpdate in flight (``CoordinatorClient.start_pull``)."""
+
+    def __init__(self, call: grpc.Call, round: int) -> None:
+        self._call, self._round = call, round
+
+    def result(self, on_committed: Callable[[], None] | None = None) -> list[Chunk] | None:
+        """Blocks until the coordinator answers: the update's chunks, or None if the round was
+        still open when the wait ended; ``on_committed`` is called as soon as the commit is
+        known, before the chunks arrive. A refusal raises RemoteError."""
+        call = self._call
+        try:
+            committed = dict(call.initial_metadata() or ()).get(serde.COMMITTED_KEY)  # type: ignore[attr-defined]
+            if committed == "1" and on_committed is not None:
+                on_committed()
+            chunks = [serde.chunk_from_proto(m) for m in call]  # type: ignore[attr-defined]  # a refusal (no metadata) raises here
+        except grpc.RpcError as e:
+            raise _remote(e) from None
+        if committed not in ("0", "1") or (committed == "0" and chunks):
+            raise RemoteError("internal", f"PullUpdate with wait_s must say in its metadata whether round {self._round} is committed")
+        return chunks if committed == "1" else None
+
+    def cancel(self) -> None:
+        """Gives the call up (its push did not count, or failed): the coordinator stops waiting."""
+        self._call.cancel()

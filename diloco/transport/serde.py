@@ -9,6 +9,9 @@ from diloco.boxes import Box
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
+# PullUpdate with wait_s > 0: the initial metadata says whether the round was committed in time.
+COMMITTED_KEY = "diloco-committed"
+
 
 def spec_to_proto(s: TensorSpec) -> pb.TensorSpec:
     return pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype)

@@ -3,6 +3,7 @@ translate, call, map refusals to status codes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
@@ -12,6 +13,7 @@ import grpc
 from diloco.errors import CoordinatorError
 from diloco.security.config import SecurityConfig
 from diloco.transport import serde
+from diloco.transport.serde import COMMITTED_KEY
 from diloco.transport.health import Health, enable_reflection
 from diloco.transport.observed import CallObserver, observe_handler
 from diloco.transport.limits import MAX_MESSAGE_BYTES, PerSite, ServerLimits, StreamWatch
@@ -114,11 +116,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def PullUpdate(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
         with self._as(context, request.site_id):
+            wait_s = min(max(request.wait_s, 0.0), 60.0) if math.isfinite(request.wait_s) else 0.0
             try:
-                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want))
+                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s)
             except CoordinatorError as e:
                 _abort(context, e)
-            yield from self._send(context, chunks)  # Chunk objects: _pull_serializer writes their bytes
+            if wait_s > 0:  # the commit is known now: the site hears of it before the chunks come
+                context.send_initial_metadata(((COMMITTED_KEY, "0" if chunks is None else "1"),))
+            if chunks is not None:
+                yield from self._send(context, chunks)  # Chunk objects: _pull_serializer writes their bytes
 
     def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalMessage]:
         with self._as(context, request.site_id):

@@ -1,6 +1,8 @@
 """The coordinator behind a real gRPC server on 127.0.0.1:0: good pushes, and every bad
 input refused with a status that says what was wrong, leaving θ unchanged."""
 
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -75,6 +77,32 @@ def test_round_commits_when_every_site_pushed_and_sites_get_identical_theta(serv
     assert params_sha256(theta) == coord.global_sha256() == status.global_sha256
     # Weighted mean: (0.1·10 + 0.3·30)/40 = 0.25; Nesterov first step moves θ by −0.7·(1.9·0.25).
     torch.testing.assert_close(theta["layer.b"], _theta()["layer.b"] - 0.7 * 1.9 * 0.25)
+
+
+def test_a_waiting_pull_is_held_until_the_commit_then_sends_the_update_at_once(served) -> None:
+    """PullUpdate with wait_s: the site's wait and pull in one call (one round trip fewer per
+    round on a slow link). Still open after wait_s: None; committed while it waits: the
+    commit is signalled before the chunks, and the chunks are the plain pull's."""
+    coord, client = served
+    _join(client, "a", "b")
+    assert _push(client, "a", 0, _delta(0.1)).accepted
+    seen: list[str] = []
+    assert client.pull_update("a", 0, wait_s=0.2, on_committed=lambda: seen.append("committed")) is None
+    assert seen == [] and coord.committed_rounds == 0
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(client.pull_update("a", 0, wait_s=20, on_committed=lambda: seen.append("committed"))))
+    waiter.start()
+    time.sleep(0.3)  # the pull is held at the coordinator
+    assert got == [] and waiter.is_alive()
+    assert _push(client, "b", 0, _delta(0.3)).accepted
+    waiter.join(10)
+    assert not waiter.is_alive() and seen == ["committed"]
+    plain = client.pull_update("a", 0)
+    assert [(c.name, c.offset, c.payload) for c in got[0]] == [(c.name, c.offset, c.payload) for c in plain]
+    # Refusals name what was wrong, as for a plain pull; a waiting pull of a committed round is a plain pull.
+    _expect_refused(lambda: client.pull_update("a", 7, wait_s=1), "out_of_range", "rounds are 0..2")
+    _expect_refused(lambda: client.pull_update("stranger", 0, wait_s=1), "failed_precondition")
+    assert [c.payload for c in client.pull_update("b", 0, wait_s=5)] == [c.payload for c in plain]
 
 
 def _expect_refused(fn, code: str, *fragments: str) -> None:

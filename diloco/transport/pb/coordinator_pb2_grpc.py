@@ -111,7 +111,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullUpdate(self, request, context):
-        """The encoded update u_r = theta_{r+1} - theta_r of a committed round, as chunks.
+        """The encoded update u_r = theta_{r+1} - theta_r of a committed round, as chunks. With
+        wait_s > 0 the call first waits (up to wait_s, at most 60 s) for the round to be committed,
+        then sends the initial metadata "diloco-committed": "1" and the chunks, or "0" and nothing
+        when the round is still open: a site's wait and pull in one round trip.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
