@@ -42,6 +42,8 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=4 ahead": {"fragments": 5, "overlap_steps": 4, "merge": "ahead"},
     "streaming F=5 τ=6 delta": {"fragments": 5, "overlap_steps": 6, "merge": "delta"},
     "streaming F=5 τ=6 ahead": {"fragments": 5, "overlap_steps": 6, "merge": "ahead"},
+    "streaming F=5 τ=7 ahead": {"fragments": 5, "overlap_steps": 7, "merge": "ahead"},
+    "streaming F=5 τ=7 delta": {"fragments": 5, "overlap_steps": 7, "merge": "delta"},
     "streaming F=2 τ=10 delta": {"fragments": 2, "overlap_steps": 10, "merge": "delta"},
     "overlap F=1 τ=25 delta": {"overlap_steps": 25, "merge": "delta"},
     "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},

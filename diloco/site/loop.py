@@ -23,7 +23,7 @@ class LoopStats:
     stall_s: float = 0.0  # waiting on outer syncs: blocking syncs whole, overlapped ones when not landed in time
     stalls: int = 0  # overlapped rounds that had not landed when their merge was due
     started: float = 0.0  # monotonic: the loop's start (after joining)
-    ended: float = 0.0  # monotonic: the last round landed
+    ended: float = 0.0  # monotonic: the last round landed (before what follows it: the final evaluation, logs)
     trained: float = 0.0  # monotonic: the last inner step of the run ended (before the final syncs)
 
     @property
@@ -92,6 +92,7 @@ class RoundLoop:
                     t = time.perf_counter()
                     digest = sync.finish(sync.exchange(pending))
                     self.stats.stall_s += time.perf_counter() - t
+                    self.stats.ended = time.monotonic()
                     self._on_round(pending, digest)
                     continue
                 inflight.launch(pending)
@@ -104,7 +105,7 @@ class RoundLoop:
                 inflight.close()
                 self.stats.stall_s += inflight.stall_s
                 self.stats.stalls = inflight.stalls
-        self.stats.ended = time.monotonic()
+        self.stats.ended = self.stats.ended or time.monotonic()
         if self.schedule.outer_mode != "blocking":
             sync.load_global()  # the last phase started from its own start point; the run ends at θ
 
@@ -131,7 +132,9 @@ class RoundLoop:
     def _land(self) -> None:
         assert self.inflight is not None
         pending = self.inflight.land()
-        self._on_round(pending, self.sync.finish(pending))
+        digest = self.sync.finish(pending)
+        self.stats.ended = time.monotonic()
+        self._on_round(pending, digest)
 
     def _phase(self) -> list[float]:
         """Up to H/F inner steps (fewer under budget_s); with overlap, the round in flight is

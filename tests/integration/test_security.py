@@ -45,9 +45,9 @@ class Secured:
         self.address = f"127.0.0.1:{port}"
         self.clients: list[CoordinatorClient] = []
 
-    def client(self, as_site: str, creds: Path | None = None, **security: object) -> CoordinatorClient:
+    def client(self, as_site: str, creds: Path | None = None, connect_timeout_s: float = 3.0, **security: object) -> CoordinatorClient:
         cfg = SecurityConfig(**{"dir": str(creds or self.creds), "auth": self.auth, **security})  # type: ignore[arg-type]
-        c = CoordinatorClient(self.address, timeout_s=10, connect_timeout_s=3, security=cfg, site_id=as_site)
+        c = CoordinatorClient(self.address, timeout_s=10, connect_timeout_s=connect_timeout_s, security=cfg, site_id=as_site)
         self.clients.append(c)
         return c
 
@@ -118,16 +118,17 @@ def _run_ca(creds: Path) -> Pem:
 @pytest.mark.parametrize("case", ["another CA", "expired", "no certificate", "plaintext"])
 def test_mtls_refuses_a_client_without_a_valid_certificate_of_the_run(creds_dir: Path, tmp_path: Path, case: str) -> None:
     s = Secured(creds_dir, "mtls")
+    wait = 1.0  # a refused handshake is retried until the connect timeout: the refusal comes then
     try:
         if case == "another CA":
-            client = s.client("0", _copy_with_site_cert(creds_dir, tmp_path, issue_site(make_ca("other", 1), "0", 1)))
+            client = s.client("0", _copy_with_site_cert(creds_dir, tmp_path, issue_site(make_ca("other", 1), "0", 1)), connect_timeout_s=wait)
         elif case == "expired":
             old = issue_site(_run_ca(creds_dir), "0", days=1, not_before=datetime.now(timezone.utc) - timedelta(days=3))
-            client = s.client("0", _copy_with_site_cert(creds_dir, tmp_path, old))
+            client = s.client("0", _copy_with_site_cert(creds_dir, tmp_path, old), connect_timeout_s=wait)
         elif case == "no certificate":
-            client = s.client("0", auth="token")  # TLS with the run CA, but no client certificate
+            client = s.client("0", auth="token", connect_timeout_s=wait)  # TLS with the run CA, but no client certificate
         else:
-            client = CoordinatorClient(s.address, timeout_s=5, connect_timeout_s=3)
+            client = CoordinatorClient(s.address, timeout_s=5, connect_timeout_s=wait)
             s.clients.append(client)
         _refused(lambda: client.join("0", fingerprint(THETA).values()), "unavailable", "internal")
         assert s.coord.active_sites == frozenset()

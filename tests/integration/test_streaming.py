@@ -5,6 +5,7 @@ pushes, merges and ends with is a small binary fraction computed by hand below."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -52,6 +53,8 @@ class Site:
         self.phase_starts: list[dict[str, float]] = []  # the model when each inner phase began
         self.steps_taken = 0
         self.places: list[tuple[int, int]] = []  # at each landed round: (the schedule's place, the steps taken)
+        self.landed_at: list[float] = []  # monotonic, as each landed round is handed on
+        self.after_land_s = 0.0
         self.events: list[tuple[str, int]] = []  # ("push", round) at each begin, ("land", round) at each finish
         self.finished: list[object] = []  # every PendingRound finished
         begin, finish = self.sync.begin, self.sync.finish
@@ -85,6 +88,8 @@ class Site:
         def landed(_pending: object, _digest: str) -> None:
             # what the site's lr schedule is told (site.py) against the steps really taken
             self.places.append((schedule.steps_before(self.sync.round) + loop.phase_steps, self.steps_taken))
+            self.landed_at.append(time.monotonic())
+            time.sleep(self.after_land_s)  # what follows a landed round (a checkpoint, the final evaluation)
 
         loop = RoundLoop(self.sync, schedule, self.step, tokens_per_step=1, on_round=landed)
         loop.run()
@@ -111,6 +116,17 @@ def site_factory() -> Iterator:
 
 SGD_HALF = OuterConfig(name="SGD", lr=0.5, momentum=0.0, nesterov=False)
 A, B = "blocks.0.w", "blocks.1.w"
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_the_utilization_span_ends_when_the_last_round_lands_not_after_what_follows(site_factory, overlap: int) -> None:
+    """compute_utilization is inner-step time over joining .. the last round landed: what the
+    site does with that round afterwards (the final evaluation, its log) is not training."""
+    site = site_factory(2, SyncOptions(), SGD_HALF)
+    site.after_land_s = 0.05
+    loop = site.run(SyncSchedule(sync_every=2, overlap_steps=overlap))
+    assert len(site.landed_at) == 2
+    assert loop.stats.trained <= loop.stats.ended <= site.landed_at[-1]
 
 
 def test_two_fragments_overlap_one_step_alpha_half_by_hand(site_factory) -> None:
