@@ -81,10 +81,14 @@ def kill_group(popen: subprocess.Popen[Any]) -> None:
         pass
 
 
-def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
-    """Runs ``diloco-sim OVERRIDES hydra.run.dir=RUN_DIR`` to the end (or kills it on timeout)."""
+def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0, plots: bool = False) -> Run:
+    """Runs ``diloco-sim OVERRIDES hydra.run.dir=RUN_DIR`` to the end (or kills it on timeout).
+    Without the plots unless ``plots`` or an override says otherwise: drawing them takes a run
+    about a second, and only tests/integration/test_report_cli.py looks at them."""
     run_dir = run_dir.resolve()
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    if not plots and not any(o.startswith("sim.plots=") for o in overrides):
+        overrides = (*overrides, "sim.plots=false")
     cmd = [*sim_command(), *overrides, f"hydra.run.dir={run_dir}"]
     popen = subprocess.Popen(
         cmd, cwd=run_dir.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -100,8 +104,8 @@ def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
     return Run(run_dir, popen.returncode, stdout, stderr)
 
 
-def run_ok(run_dir: Path, *overrides: str, timeout: float = 120.0) -> Run:
-    run = run_sim(run_dir, *overrides, timeout=timeout)
+def run_ok(run_dir: Path, *overrides: str, timeout: float = 120.0, plots: bool = False) -> Run:
+    run = run_sim(run_dir, *overrides, timeout=timeout, plots=plots)
     assert run.returncode == 0, run.describe()
     return run
 

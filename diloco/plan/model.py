@@ -269,7 +269,8 @@ def _down_bits(p: Plan) -> float:
 
 def _link(p: Plan) -> _Link:
     """Coordinator: every site pushes to and pulls from one coordinator whose link the N sites
-    share, push then pull, 2 RTT. Ring all-reduce: each site sends and receives (N-1)/N of the
+    share, push then pull, 1 RTT (the pull goes out behind the push and is held until the
+    commit: the push's last byte takes half an RTT to arrive, the update's first half an RTT back). Ring all-reduce: each site sends and receives (N-1)/N of the
     payload per direction (reduce-scatter at the uplink's bits, all-gather at the downlink's)
     over 2(N-1) hops of half an RTT each."""
     n, rtt = p.sites, p.rtt_ms / 1000.0
@@ -283,7 +284,7 @@ def _link(p: Plan) -> _Link:
         coord = p.bandwidth_gbit if p.coordinator_bandwidth_gbit is None else p.coordinator_bandwidth_gbit
         sent, received = float(p.bits), _down_bits(p)
         bits = sent + received
-        rate, latency = min(p.bandwidth_gbit, coord / n), 2 * rtt
+        rate, latency = min(p.bandwidth_gbit, coord / n), rtt
         neck = "the site's own link" if p.bandwidth_gbit <= coord / n else f"the coordinator's link shared by {n} sites"
     s_per_param = 0.0 if math.isinf(rate) else bits / (rate * 1e9)
     straggle_s = p.straggle * p.compute_step_s * p.steps_per_round / p.syncs_per_round + p.straggle_s
@@ -379,11 +380,11 @@ def run_utilization(p: Plan, rounds: int, *, tail: bool = True) -> float:
 
 
 def _push_leg(p: Plan) -> float:
-    """One fragment's push until its round is committed: its bytes up, the push's reply and the
-    commit's notice (one RTT), the sync's fixed cost, and the wait for the slowest site."""
+    """One fragment's push until its round is committed: its bytes up, its last byte's way there
+    and the commit's notice back (one RTT), the sync's fixed cost, and the wait for the slowest site."""
     link = _link(p)
     up = 0.0 if math.isinf(link.rate_gbit) else p.params / p.syncs_per_round * link.sent_bits_per_param / (link.rate_gbit * 1e9)
-    return up + link.latency_s / 2 + link.overhead_s + link.straggle_s
+    return up + link.latency_s + link.overhead_s + link.straggle_s
 
 
 # ---- the inverse -------------------------------------------------------------------------

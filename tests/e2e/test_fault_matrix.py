@@ -189,7 +189,7 @@ def test_a_stopped_run_resumes_from_its_checkpoints(tmp_path: Path) -> None:
     from helpers import kill_group, sim_command
 
     run_dir = tmp_path / "run"
-    args = [*BASE, "rounds=6", "quorum.min_sites=3", f"hydra.run.dir={run_dir}"]  # every round has all three
+    args = [*BASE, "rounds=6", "quorum.min_sites=3", "sim.plots=false", f"hydra.run.dir={run_dir}"]  # every round has all three
     popen = subprocess.Popen([*sim_command(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 200

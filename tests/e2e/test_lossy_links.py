@@ -72,7 +72,7 @@ def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bo
 def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: Path, codec: str, codec_down: str, extra: list[str]) -> None:
     sim = Path(sys.executable).parent / "diloco-sim"
     name, _, zstd = codec.partition("+")
-    overrides = ["sites=2", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"codec_down={codec_down}", *extra]
+    overrides = ["sites=2", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"codec_down={codec_down}", "sim.plots=false", *extra]
     run = subprocess.run([str(sim), *overrides, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -35,7 +35,7 @@ def report(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     base = tmp_path_factory.mktemp("runs")
-    return {"diloco": run_ok(base / "diloco", "mode=diloco", *TINY), "ddp": run_ok(base / "ddp", "mode=ddp", *TINY)}
+    return {"diloco": run_ok(base / "diloco", "mode=diloco", *TINY, plots=True), "ddp": run_ok(base / "ddp", "mode=ddp", *TINY, plots=True)}
 
 
 @pytest.mark.parametrize("mode", ["diloco", "ddp"])

@@ -24,9 +24,10 @@ from diloco.plan.model import (
 )
 
 # A coordinator run small enough to follow by hand: 1e8 parameters at 8 bits each way, 2 sites
-# on 1 Gbit/s links to a 10 Gbit/s coordinator (5 Gbit/s per site: the sites' links bind), 50 ms
-# RTT, 0.3 s of overhead. One whole sync: 0.1 s latency + 1.6e9 bits / 1e9 + 0.3 s = 2.0 s.
-BASE = Plan(params=1e8, step_s=0.1, sync_every=100, bits=8, sites=2, bandwidth_gbit=1.0, coordinator_bandwidth_gbit=10.0, rtt_ms=50.0, overhead_s=0.3)
+# on 1 Gbit/s links to a 10 Gbit/s coordinator (5 Gbit/s per site: the sites' links bind), 100 ms
+# RTT, 0.3 s of overhead. One whole sync: 0.1 s latency (one RTT: the pull goes out behind the
+# push) + 1.6e9 bits / 1e9 + 0.3 s = 2.0 s.
+BASE = Plan(params=1e8, step_s=0.1, sync_every=100, bits=8, sites=2, bandwidth_gbit=1.0, coordinator_bandwidth_gbit=10.0, rtt_ms=100.0, overhead_s=0.3)
 
 
 # ---- hand-computed rounds ----------------------------------------------------------------
@@ -105,7 +106,7 @@ def test_a_whole_run_pays_the_last_sync_and_the_pipelined_flush_rounds() -> None
     # sync whole (0.8 s) and 3 flush rounds, each pushed once the one before is committed, so
     # each adds its push leg: 2.5e7 × 8 bits up at 1 Gbit/s (0.2 s) + one RTT + 0.3 s overhead.
     streaming = replace(BASE, fragments=4, overlap_steps=9)
-    assert run_utilization(streaming, 10) == pytest.approx(100 / (100 + 0.8 + 3 * (0.2 + 0.05 + 0.3)))
+    assert run_utilization(streaming, 10) == pytest.approx(100 / (100 + 0.8 + 3 * (0.2 + 0.1 + 0.3)))
     assert run_utilization(streaming, 10, tail=False) == 1.0
     with pytest.raises(PlanError, match="rounds=0"):
         run_utilization(BASE, 0)
