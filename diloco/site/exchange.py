@@ -1,8 +1,8 @@
 """The protocol steps of one round, seen from a site: push Δ, then pull the update, the
-coordinator holding the pull until the round is committed. Retries (with backoff) whatever failed because the coordinator could not be reached,
-starting again from the push: pushes are idempotent (a repeat of a counted push is answered
-"duplicate"), and a coordinator that restarted from its checkpoint has lost the pushes of
-its open round."""
+coordinator holding the pull until the round is committed. Retries (with backoff) whatever
+failed because the coordinator could not be reached, starting again from the push: pushes
+are idempotent (a repeat of a counted push is answered "duplicate"), and a coordinator that
+restarted from its checkpoint has lost the pushes of its open round."""
 
 from __future__ import annotations
 

@@ -121,6 +121,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s)
             except CoordinatorError as e:
                 _abort(context, e)
+            if not context.is_active():
+                return  # the site gave the pull up while it waited (its push failed or came late)
             if wait_s > 0:  # the commit is known now: the site hears of it before the chunks come
                 context.send_initial_metadata(((COMMITTED_KEY, "0" if chunks is None else "1"),))
             if chunks is not None:

@@ -105,6 +105,21 @@ def test_a_waiting_pull_is_held_until_the_commit_then_sends_the_update_at_once(s
     assert [c.payload for c in client.pull_update("b", 0, wait_s=5)] == [c.payload for c in plain]
 
 
+def test_a_pull_given_up_while_it_waits_changes_nothing(served) -> None:
+    """A site cancels its held pull (its push failed, or came too late): the coordinator's
+    handler ends when the round closes, and the round and later pulls go on as before."""
+    coord, client = served
+    _join(client, "a", "b")
+    assert _push(client, "a", 0, _delta(0.1)).accepted
+    held = client.start_pull("a", 0, wait_s=20)
+    time.sleep(0.2)  # held at the coordinator
+    held.cancel()
+    _expect_refused(held.result, "unavailable")  # as a call cut under it: a site would retry
+    assert _push(client, "b", 0, _delta(0.3)).accepted
+    assert coord.committed_rounds == 1
+    assert [c.payload for c in client.pull_update("a", 0, wait_s=5)] == [c.payload for c in client.pull_update("b", 0)]
+
+
 def _expect_refused(fn, code: str, *fragments: str) -> None:
     expect_refused(fn, code, says=fragments)
 
