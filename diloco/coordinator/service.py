@@ -41,7 +41,7 @@ from diloco.coordinator.round_state import RoundState
 from diloco.coordinator.site_evals import SiteEvals
 from diloco.coordinator.staging import StagingPool
 from diloco.errors import CoordinatorError
-from diloco.outer import NormBound, OuterConfig, OuterOptimizer, params_sha256
+from diloco.outer import NormBound, OuterConfig, OuterOptimizer, averaged_from, params_sha256
 from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
@@ -117,10 +117,7 @@ class Coordinator(PushIntake):
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
-        # Streaming's flush rounds average; with outer.final_average so do each fragment's last
-        # rounds of training (blocking: the last round).
-        trained = self.cfg.total_rounds - self.cfg.flush_rounds
-        average_from = trained - self.cfg.fragments if self._outer_cfg.final_average else trained if self.cfg.flush_rounds else None
+        average_from = averaged_from(self.cfg.total_rounds, self.cfg.flush_rounds, self._outer_cfg.final_average)
         self._outer = OuterOptimizer(params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments, average_from=average_from)
         self._specs = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}

@@ -26,8 +26,10 @@ fixed w (docs/streaming.md), so the stand-in is the site's own Δ alone.
 τ steps trained while it is in flight start from the fragment moved by its outer step as far
 as the site can foresee it (weight 0 by default: the momentum alone). With fragments each
 parameter keeps its own buffer, and round r is outer step r // F, as the coordinator counts
-them. Streaming's flush rounds average without the outer step; their updates, observed here
-as outer steps, can only touch buffers no later round reads.
+them. The rounds the coordinator averages without the outer step (streaming's flush rounds,
+the last round of training under ``outer.final_average``: ``averaged_from``) are looked ahead
+and observed here as outer steps; no inner step trains after them, and their buffers are read
+by no later round.
 
 When the site lacks a piece (a round it caught up on without its update: the buffer is
 carried by the momentum alone), the look-ahead is what it has: only the start point is
