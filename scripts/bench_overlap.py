@@ -43,6 +43,8 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=6 delta": {"fragments": 5, "overlap_steps": 6, "merge": "delta"},
     "streaming F=5 τ=6 ahead": {"fragments": 5, "overlap_steps": 6, "merge": "ahead"},
     "streaming F=5 τ=7 ahead": {"fragments": 5, "overlap_steps": 7, "merge": "ahead"},
+    "streaming F=5 τ=7 ahead freeze": {"fragments": 5, "overlap_steps": 7, "merge": "ahead", "fragment_end": "freeze"},
+    "streaming F=5 τ=6 ahead freeze": {"fragments": 5, "overlap_steps": 6, "merge": "ahead", "fragment_end": "freeze"},
     "streaming F=5 τ=7 delta": {"fragments": 5, "overlap_steps": 7, "merge": "delta"},
     "streaming F=2 τ=10 delta": {"fragments": 2, "overlap_steps": 10, "merge": "delta"},
     "overlap F=1 τ=25 delta": {"overlap_steps": 25, "merge": "delta"},
@@ -97,7 +99,7 @@ def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbi
         bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle, straggle_s=straggle_s,
     )  # fmt: skip
     p = predict(plan)
-    run = run_utilization(plan, base["rounds"])
+    run = run_utilization(plan, base["rounds"], flush=extra.get("fragment_end", "flush") == "flush")
     until = run_utilization(plan, base["rounds"], tail=False)
     return {"utilization": round(p.utilization, 4), "run_utilization": round(run, 4), "utilization_until_last_step": round(until, 4), "round_s": round(p.round_s, 3), "sync_s": round(p.sync_s, 3), "bits": round(bits, 3)}
 

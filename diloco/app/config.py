@@ -98,6 +98,7 @@ class RunConfig:
     overlap_steps: int = 0  # τ: the site trains τ steps while a round is in flight, then merges it (τ < H/F)
     alpha: float | None = None  # the merge: local ← α·local + (1−α)·θ; None: 0.5 with overlap (Streaming DiLoCo's), else 0 (replace)
     merge: str = "alpha"  # alpha (the merge above) | delta: θ + the local steps trained since the push (docs/streaming.md)
+    fragment_end: str = "flush"  # flush (F − 1 flush rounds after the last step) | freeze (each fragment stops at its last push)
     # The H of the first rounds, growing to sync_every (e.g. [10, 25, 50] with sync_every=50):
     # frequent syncs early; every site follows it by round number (blocking DiLoCo only).
     sync_every_schedule: tuple[int, ...] | None = None
@@ -261,7 +262,7 @@ class RunConfig:
         """When sites push and merge (diloco.site.overlap)."""
         return SyncSchedule(
             sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode, train_rounds=self.rounds * self.fragments,
-            early=tuple(self.sync_every_schedule or ()),
+            early=tuple(self.sync_every_schedule or ()), end=self.fragment_end,
         )
 
     @property

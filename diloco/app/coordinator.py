@@ -170,6 +170,7 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
         site_eval_every=cfg.eval_every * cfg.fragments if not evaluates and cfg.eval_by != "coordinator" else 0,
         fragments=cfg.fragments,
         flush_rounds=cfg.sync_rounds - cfg.rounds * cfg.fragments,
+        frozen_end=cfg.fragments > 1 and cfg.fragment_end == "freeze",
         guard=cfg.guard,
         robust=cfg.robust,
         sites=_issued_sites(cfg),

@@ -40,6 +40,9 @@ class CoordinatorConfig:
     # The last this many rounds are streaming's flush rounds (F − 1 with fragments): they average
     # the sites' last partial phases into θ without the outer step (OuterOptimizer.average_from).
     flush_rounds: int = 0
+    # fragment_end=freeze: each fragment's last round ends it (nothing trains after it), so under
+    # the outer step's final average the last F rounds average, not only the last.
+    frozen_end: bool = False
     # A whole pull's small chunks go in bundles (diloco.wire.bundles) of at most chunk_bytes:
     # few stream messages for a model of many small tensors. False: one message per chunk.
     bundle_downlink: bool = True
@@ -65,6 +68,8 @@ class CoordinatorConfig:
             raise ValueError(f"fragments={self.fragments!r}: must be an integer >= 1")
         if isinstance(self.flush_rounds, bool) or not (isinstance(self.flush_rounds, int) and 0 <= self.flush_rounds < self.total_rounds):
             raise ValueError(f"flush_rounds={self.flush_rounds!r}: must be an integer in 0..total_rounds-1 ({self.total_rounds - 1})")
+        if not isinstance(self.frozen_end, bool) or (self.frozen_end and (self.fragments == 1 or self.flush_rounds)):
+            raise ValueError(f"frozen_end={self.frozen_end!r}: must be a bool, and True only with fragments > 1 and no flush rounds (fragments={self.fragments}, flush_rounds={self.flush_rounds})")
         if self.fragments > 1 and self.quorum.late == "merge":
             raise ValueError(f"quorum.late=merge cannot be combined with fragments={self.fragments}: a late push belongs to another fragment than the open round's; use quorum.late=drop")
         if not self.staging_timeout_s > 0:

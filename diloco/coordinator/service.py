@@ -117,7 +117,7 @@ class Coordinator(PushIntake):
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
-        average_from = averaged_from(self.cfg.total_rounds, self.cfg.flush_rounds, self._outer_cfg.final_average)
+        average_from = averaged_from(self.cfg.total_rounds, self.cfg.flush_rounds, self._outer_cfg.final_average, last=self.cfg.fragments if self.cfg.frozen_end else 1)
         self._outer = OuterOptimizer(params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments, average_from=average_from)
         self._specs = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}

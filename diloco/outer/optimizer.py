@@ -107,18 +107,19 @@ def l2(tensors: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().square_().sum()) for t in tensors.values()))
 
 
-def averaged_from(total_rounds: int, flush_rounds: int, final_average: bool) -> int | None:
+def averaged_from(total_rounds: int, flush_rounds: int, final_average: bool, last: int = 1) -> int | None:
     """The first round the coordinator averages (θ − mean Δ, no outer step), or None: the
     flush rounds that end a streaming run (the last ``flush_rounds`` of ``total_rounds``), and
-    with ``final_average`` the last round of training before them (blocking: the last round).
+    with ``final_average`` the ``last`` rounds of training before them (blocking: the last round).
 
-    With fragments only the last fragment's last round of training averages: every other
-    fragment trains on after its last round of training and its flush round (an average)
-    ends it, the step with nothing after it that the final average is for. Averaging those
-    rounds too (the rule until 2026-12-05) measured worse for streaming (docs/streaming.md)."""
+    A round averages when nothing trains after it. With flush rounds that is only the last
+    fragment's last round of training: every other fragment trains on after its last round
+    and its flush round (an average) ends it. Averaging those rounds too (the rule until
+    2026-12-05) measured worse for streaming (docs/streaming.md). Under ``fragment_end=freeze``
+    each fragment stops at its last round: ``last`` = F, the last round of every fragment."""
     trained = total_rounds - flush_rounds
     if final_average:
-        return trained - 1
+        return max(0, trained - last)
     return trained if flush_rounds else None
 
 

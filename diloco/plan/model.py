@@ -358,13 +358,15 @@ def predict(p: Plan) -> Prediction:
     )
 
 
-def run_utilization(p: Plan, rounds: int, *, tail: bool = True) -> float:
+def run_utilization(p: Plan, rounds: int, *, tail: bool = True, flush: bool = True) -> float:
     """Utilization over a whole run of ``rounds`` rounds rather than the steady state: the run
     ends once its last sync has landed, and nothing overlaps that one (no inner phase follows
     it), so an overlapped mode pays it whole once (a blocking sync pays it every round anyway).
     With fragments, the F − 1 flush rounds after the last (docs/streaming.md) follow it
     pipelined: each is pushed once the round before it is committed, while that round's update
     comes down, so each adds its push leg (``_push_leg``) and the last pull ends the run.
+    ``flush=False``: a run whose fragments freeze at their last push (``fragment_end=freeze``)
+    has no flush rounds, only the last sync.
     ``tail=False``: up to the end of the run's last inner step (the last round's stall, and the
     syncs after it, left out): what ``utilization_until_last_step`` measures."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -374,8 +376,8 @@ def run_utilization(p: Plan, rounds: int, *, tail: bool = True) -> float:
     last_whole = _stall(_pieces(replace(p, overlap_steps=0, outer_mode="blocking"), pred.syncs_per_round - 1), p.params, _link(p)) if p.mode != "ddp" else last_steady
     if not tail:
         return rounds * pred.compute_s / (rounds * pred.round_s - last_steady)
-    flush = (p.fragments - 1) * _push_leg(p) if p.mode != "ddp" else 0.0
-    total = rounds * pred.round_s + max(0.0, last_whole - last_steady) + flush
+    flushes = (p.fragments - 1) * _push_leg(p) if p.mode != "ddp" and flush else 0.0
+    total = rounds * pred.round_s + max(0.0, last_whole - last_steady) + flushes
     return rounds * pred.compute_s / total
 
 

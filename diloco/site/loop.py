@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from diloco.site.freeze import FrozenFragments
 from diloco.site.outer_sync import OuterSync, PendingRound
 from diloco.site.overlap import InFlight, SyncSchedule
 
@@ -70,10 +71,14 @@ class RoundLoop:
         self.phase_steps = 0
         self.steps_per_round: dict[int, int] = {}  # inner steps per round pushed (fewer than H/F under budget_s)
         self.last_loss: dict[int, float] = {}  # the last inner loss of each round's phase
+        self.frozen = FrozenFragments(sync.layout)  # fragment_end=freeze: fragments past their last push
 
     def run(self) -> None:
         sync, inflight = self.sync, self.inflight
         self.stats.started = time.monotonic()
+        for r in range(self._next_push()):  # a site joining late: the fragments already past their last push
+            if self.schedule.frozen_after(r):
+                self.frozen.freeze(sync.names_of(r))
         try:
             while self._next_push() < sync.total_rounds:
                 if inflight is not None and self.schedule.flushes(self._next_push()):
@@ -88,9 +93,12 @@ class RoundLoop:
                 loss = self._mean(sum(losses) / len(losses)) if losses else math.nan
                 pending = sync.begin(tokens=max(1, len(losses) * self._tokens_per_step), train_loss=loss, inner_steps=len(losses))
                 self.phase_steps = 0  # its steps are in the round pushed now
+                if self.schedule.frozen_after(pending.header.round):
+                    self.frozen.freeze(pending.names)
                 if inflight is None or not self.schedule.overlapped:
                     t = time.perf_counter()
                     digest = sync.finish(sync.exchange(pending))
+                    self.frozen.refresh()
                     self.stats.stall_s += time.perf_counter() - t
                     self.stats.ended = time.monotonic()
                     self._on_round(pending, digest)
@@ -133,6 +141,7 @@ class RoundLoop:
         assert self.inflight is not None
         pending = self.inflight.land()
         digest = self.sync.finish(pending)
+        self.frozen.refresh()
         self.stats.ended = time.monotonic()
         self._on_round(pending, digest)
 
@@ -150,6 +159,7 @@ class RoundLoop:
             losses.append(self._step(round, step))
             self.stats.trained = time.monotonic()
             self.stats.step_s.append(self.stats.trained - t0)
+            self.frozen.hold()  # not counted as training: it is the freeze's cost
             self.phase_steps = step + 1
             if self.inflight is not None and self.inflight.busy and land_after is not None and step + 1 == land_after:
                 self._land()

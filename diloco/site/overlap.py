@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from diloco.site.outer_sync import OuterSync, PendingRound
 
 OUTER_MODES = ("blocking", "eager", "delayed")
+FRAGMENT_ENDS = ("flush", "freeze")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class SyncSchedule:
     # The H of the first rounds (sync_every_schedule), growing to H: round r < len trains
     # early[r] steps, later rounds H. Blocking DiLoCo only (F = 1, τ = 0); ends at H.
     early: tuple[int, ...] = ()
+    # How a streaming run ends (F > 1): "flush", the F − 1 flush rounds above; "freeze", each
+    # fragment stops training at its last push (the other fragments train on around it), so no
+    # flush round is needed and only the last round's sync is left after the last step.
+    end: str = "flush"
 
     def problem(self) -> str | None:
         """What cannot work, naming the field; None when the schedule is sound."""
@@ -60,6 +65,10 @@ class SyncSchedule:
             return f"overlap_steps={tau}: must be below sync_every/fragments = {self.round_steps} (one round in flight at a time)"
         if self.outer_mode != "blocking" and (self.fragments > 1 or tau > 0):
             return f"outer_mode={self.outer_mode} overlaps the whole sync with the next inner phase; it cannot be combined with fragments={self.fragments} or overlap_steps={tau} (use outer_mode=blocking for streaming)"
+        if self.end not in FRAGMENT_ENDS:
+            return f"fragment_end={self.end!r}: must be one of {', '.join(FRAGMENT_ENDS)}"
+        if self.end == "freeze" and self.fragments == 1:
+            return "fragment_end=freeze stops each fragment at its last push: it needs fragments > 1 (this run has fragments=1)"
         return self._early_problem()
 
     def _early_problem(self) -> str | None:
@@ -101,8 +110,14 @@ class SyncSchedule:
         return sum(self.early[:n]) + max(0, trained - n) * self.round_steps
 
     def total_rounds(self, rounds: int) -> int:
-        """The coordinator's rounds for ``rounds`` rounds of H steps: R × F, plus F − 1 flush rounds."""
-        return rounds * self.fragments + (self.fragments - 1)
+        """The coordinator's rounds for ``rounds`` rounds of H steps: R × F, plus F − 1 flush
+        rounds unless the fragments freeze."""
+        return rounds * self.fragments + (0 if self.end == "freeze" else self.fragments - 1)
+
+    def frozen_after(self, round: int) -> bool:
+        """Under ``end=freeze``, round ``round`` is its fragment's last: the fragment stops
+        training once it is pushed."""
+        return self.end == "freeze" and self.train_rounds is not None and self.train_rounds - self.fragments <= round < self.train_rounds
 
     @property
     def overlapped(self) -> bool:

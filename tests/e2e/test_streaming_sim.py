@@ -89,6 +89,18 @@ def test_streaming_rounds_alternate_fragments_and_account_their_bytes(streaming_
     assert sum(b["up"] for b in w2["fragment_bytes"].values()) == w2["bytes_up"]
 
 
+def test_frozen_fragments_end_without_flush_rounds_through_a_restart_among_them(tmp_path: Path) -> None:
+    # H=4, F=2, τ=1, 3 rounds: 6 coordinator rounds; fragment 0's last round is 4, so site 0,
+    # killed while pushing it and started again, finds fragment 0 frozen and trains fragment 1.
+    events = _events("{kind:kill_site,site:0,at_round:4,phase:push,restart_after_s:0.5}")
+    run = run_ok(tmp_path / "run", *BASE, "sites=2", "sync_every=4", "rounds=3", "fragments=2", "overlap_steps=1", "merge=ahead", "fragment_end=freeze", "codec=int8", events, timeout=280)
+    summary, metrics = run.summary, run.metrics
+    assert [m["fragment"] for m in metrics] == [0, 1] * 3 and summary["rounds_committed"] == 6
+    assert all(m["inner_steps"] > 0 for m in metrics)  # no flush round
+    assert summary["hashes_equal"] and set(summary["site_global_sha256"]) == {"0", "1"}
+    assert [e["kind"] for e in summary["faults_injected"]] == ["kill_site"]
+
+
 @pytest.mark.parametrize("mode", ["eager", "delayed"])
 def test_eager_and_delayed_runs_survive_a_coordinator_restart(tmp_path: Path, mode: str) -> None:
     events = _events("{kind:kill_coordinator,at_round:2,phase:mid,restart_after_s:0.5}")

@@ -186,6 +186,37 @@ def test_the_flush_round_is_pushed_while_the_last_round_lands_by_hand(site_facto
     assert site.sync.finish(site.finished[3]) == digest and _params(site.model) == theta and site.sync.round == 5
 
 
+def test_frozen_fragments_stop_at_their_last_push_and_need_no_flush_round_by_hand(site_factory) -> None:
+    # fragment_end=freeze: the delta merge's trace (τ=1) until round 2, the last of fragment A:
+    # from its push (at −5) A keeps its value while B trains on, and when round 2 lands A ← θ_A.
+    # r2: push A: Δ=−1+5=4 (at −5); A frozen. r3: step (−5,−5); land r2: G_A=−1−2=−3,
+    # L_A=−3+(−5+5)=−3; step (−3,−6); push B: Δ=−2+6=4 (at −6), the run's last round.
+    # End: land r3: G_B=−2−2=−4, L_B=−4. No flush round: θ = model = (−3, −4) (flush: −5, −4).
+    site = site_factory(4, SyncOptions(fragments=2, merge="delta"), SGD_HALF)
+    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1, train_rounds=4, end="freeze"))
+    assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
+    assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.0}
+    assert _params(site.model) == {A: -3.0, B: -4.0}
+    assert site.sync.global_sha256() == site.coordinator.global_sha256()
+    assert loop.steps_per_round == {0: 2, 1: 2, 2: 2, 3: 2} and site.steps_taken == 8  # the same tokens
+    assert loop.frozen.names == {A, B}
+
+
+def test_a_site_joining_after_a_fragments_last_push_keeps_it_frozen(site_factory) -> None:
+    # The loop starts at round 3 (as a site restarted there would): fragment A's last round (2)
+    # is behind it, so A stays where it is while B trains: at the second step A is still 0.
+    site = site_factory(4, SyncOptions(fragments=2, merge="delta"), SGD_HALF)
+    site.sync.join()
+    site.sync.round = 3
+    site.sync.join = lambda: None  # type: ignore[method-assign]
+    seen: list[dict[str, float]] = []
+    step = site.step
+    site.step = lambda r, k: (seen.append(_params(site.model)), step(r, k))[1]  # type: ignore[method-assign]
+    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1, train_rounds=4, end="freeze"))
+    assert seen == [{A: 0.0, B: 0.0}, {A: 0.0, B: -1.0}]
+    assert site.pushed == [{B: 2.0}] and loop.frozen.names >= {A}
+
+
 def test_blocking_fragments_replace_each_landed_fragment(site_factory) -> None:
     # The same with τ=0, α=0: each round lands before the next step and replaces its fragment.
     # r0: (-2,-2), Δ0=2, G0=-1, L0=-1. r1: (-3,-4), Δ1=4, G1=-2, L1=-2.

@@ -95,6 +95,8 @@ def test_the_schedule_of_each_mode() -> None:
         ({"fragments": 2, "quorum": {"late": "merge"}}, "fragments=2 cannot be combined with quorum.late=merge"),
         ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
         ({"fragments": 2, "guard": {"factor": 3}}, "fragments=2 cannot be combined with guard.factor"),
+        ({"fragments": 2, "fragment_end": "drop"}, "fragment_end='drop': must be one of flush, freeze"),
+        ({"fragment_end": "freeze"}, "fragment_end=freeze stops each fragment at its last push: it needs fragments > 1"),
     ],
 )
 def test_the_run_config_refuses_what_streaming_cannot_do(overrides: dict, field: str) -> None:
@@ -120,6 +122,17 @@ def test_fragments_add_flush_rounds_so_every_step_reaches_theta() -> None:
 
     assert coordinator_config(cfg, CoordinatorOptions(), "model", True).flush_rounds == 2
     assert coordinator_config(run_config_from_dict({"rounds": 7}), CoordinatorOptions(), "model", True).flush_rounds == 0
+
+
+def test_frozen_fragments_need_no_flush_rounds() -> None:
+    from diloco.app.coordinator import CoordinatorOptions, coordinator_config
+
+    cfg = run_config_from_dict({"sync_every": 12, "fragments": 3, "rounds": 2, "fragment_end": "freeze"})
+    assert cfg.sync_rounds == 2 * 3 and [cfg.schedule.steps_of(r) for r in range(6)] == [4] * 6
+    assert [cfg.schedule.frozen_after(r) for r in range(6)] == [False] * 3 + [True] * 3  # each fragment's last round
+    coordinator = coordinator_config(cfg, CoordinatorOptions(), "model", True)
+    assert coordinator.flush_rounds == 0 and coordinator.frozen_end
+    assert not any(run_config_from_dict({"sync_every": 12, "fragments": 3, "rounds": 2}).schedule.frozen_after(r) for r in range(8))
 
 
 def test_more_fragments_than_layers_is_refused_before_any_process_starts() -> None:

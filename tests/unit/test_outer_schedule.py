@@ -12,7 +12,7 @@ import torch
 from diloco.app.config import ConfigError, run_config_from_dict
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.outer import OuterConfig, OuterOptimizer, OuterSchedule
+from diloco.outer import OuterConfig, OuterOptimizer, OuterSchedule, averaged_from
 from diloco.types import PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
@@ -68,27 +68,38 @@ def test_flush_rounds_average_into_theta_without_the_outer_step() -> None:
     assert float(outer.params["v"]) == pytest.approx(-1.45)
 
 
-@pytest.mark.parametrize("fragments, flush", [(1, 0), (2, 1)])
-def test_final_average_ends_each_parameter_on_an_average(fragments: int, flush: int) -> None:
+@pytest.mark.parametrize("fragments, flush, frozen", [(1, 0, False), (2, 1, False), (2, 0, True)])
+def test_final_average_ends_each_parameter_on_an_average(fragments: int, flush: int, frozen: bool) -> None:
     # Heavy ball lr 0.5, momentum 0.9, one site pushing Δ = 1 each round, 3 outer steps per
     # parameter. Blocking: w = −0.5 (buf 1), −1.45 (buf 1.9), then the last round averages:
     # −2.45 (a step would have made it −1.45 − 0.5·2.71 = −2.805). Two fragments (rounds
     # w v w v w v, then a flush round for w): v's third round is the last of training and
-    # averages; w's third is a step (−2.805), and its flush round averages after it.
+    # averages; w's third is a step (−2.805), and its flush round averages after it. Frozen
+    # fragments (no flush round): each fragment's third round is its last, and both average.
     cfg = OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False, final_average=True)
     w, v = "blocks.0.w", "blocks.1.w"  # numbered layers: fragments=2 puts one in each
     theta = {w: torch.zeros(1), v: torch.zeros(1)}
     trained = 3 * fragments
-    coord = Coordinator(theta, cfg, CoordinatorConfig(total_rounds=trained + flush, fragments=fragments, flush_rounds=flush))
+    coord = Coordinator(theta, cfg, CoordinatorConfig(total_rounds=trained + flush, fragments=fragments, flush_rounds=flush, frozen_end=frozen))
     coord.join("a", fingerprint(theta).values(), fragments=fragments)
-    names = [[w, v]] * 3 if fragments == 1 else [[w], [v]] * 3 + [[w]]
+    names = [[w, v]] * 3 if fragments == 1 else [[w], [v]] * 3 + [[w]] * flush
     for r, pushed in enumerate(names):
         delta = {n: torch.ones(1) for n in pushed}
         coord.push(PushHeader(site_id="a", round=r, tokens=1, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
     final = coord.global_params()
     assert float(final[v]) == pytest.approx(-2.45)
-    assert float(final[w]) == pytest.approx(-2.45 if fragments == 1 else -2.805 - 1)
+    assert float(final[w]) == pytest.approx(-2.805 - 1 if flush else -2.45)
     assert OuterOptimizer(theta, cfg).average_from is None  # the optimizer alone: told by the coordinator
+
+
+def test_averaged_from_counts_the_last_rounds_of_training() -> None:
+    assert averaged_from(10, 0, True) == 9 and averaged_from(10, 0, False) is None
+    assert averaged_from(14, 4, True) == 9 and averaged_from(14, 4, False) == 10  # flush rounds
+    assert averaged_from(10, 0, True, last=5) == 5  # frozen fragments: each one's last round
+    with pytest.raises(ValueError, match="frozen_end=True"):
+        CoordinatorConfig(total_rounds=10, fragments=1, frozen_end=True)
+    with pytest.raises(ValueError, match="frozen_end"):
+        CoordinatorConfig(total_rounds=10, fragments=2, flush_rounds=1, frozen_end=True)
 
 
 def test_final_average_must_be_a_bool() -> None:

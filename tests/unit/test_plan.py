@@ -108,6 +108,8 @@ def test_a_whole_run_pays_the_last_sync_and_the_pipelined_flush_rounds() -> None
     streaming = replace(BASE, fragments=4, overlap_steps=9)
     assert run_utilization(streaming, 10) == pytest.approx(100 / (100 + 0.8 + 3 * (0.2 + 0.1 + 0.3)))
     assert run_utilization(streaming, 10, tail=False) == 1.0
+    # Frozen fragments (fragment_end=freeze): no flush rounds, only the last sync.
+    assert run_utilization(streaming, 10, flush=False) == pytest.approx(100 / (100 + 0.8))
     with pytest.raises(PlanError, match="rounds=0"):
         run_utilization(BASE, 0)
 
