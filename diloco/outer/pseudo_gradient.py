@@ -38,5 +38,6 @@ def params_sha256(params: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(params):
         t = params[name].detach().contiguous().cpu()
         h.update(f"{name}|{list(t.shape)}|{t.dtype}|".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy of it
     return h.hexdigest()
