@@ -1,7 +1,7 @@
-"""The coordinator: a façade over the round's parts. Joins and leaves (membership.py), θ₀
-from a site (init_source.py), the pushes' way in (intake.py) and what to do with each
-(verdict.py), the open round
-(round_state.py), its commit (commit.py), what pullers get (downlink.py) and checkpoints.
+"""The coordinator: a façade over the round's parts. A site's session, its join, heartbeats
+and leave (sessions.py, over membership.py; θ₀ from a site: init_source.py), the pushes' way
+in (intake.py) and what to do with each (verdict.py), the open round (round_state.py), its
+commit (commit.py), what pullers get (downlink.py) and checkpoints.
 
 Threading: every public method may be called from any gRPC worker thread. One condition
 variable guards the state; decoding a push happens outside it (in a staging buffer from a
@@ -18,7 +18,7 @@ import collections
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,30 +27,30 @@ import torch
 
 from diloco.boxes import Box
 from diloco.checkpoint import save_checkpoint
-from diloco.codec import CodecError, get_codec
+from diloco.codec import get_codec
 from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder, commit
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.headers import HeaderBounds
 from diloco.coordinator.intake import PushIntake
-from diloco.coordinator.init_source import InitElection, decode_upload, upload_problem
+from diloco.coordinator.init_source import InitElection
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.round_state import RoundState
+from diloco.coordinator.sessions import SiteSessions
 from diloco.coordinator.site_evals import SiteEvals
 from diloco.coordinator.staging import StagingPool
 from diloco.errors import CoordinatorError
 from diloco.outer import NormBound, OuterConfig, OuterOptimizer, averaged_from, params_sha256
 from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.security.ids import quote, site_id_problem
-from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
-from diloco.wire import encode_chunks, fingerprint, mismatches
+from diloco.types import Chunk, RoundStatus, TensorSpec
+from diloco.wire import encode_chunks, fingerprint
 
 _KEEP_RECORDS = 16
 _KEEP_TIMINGS = 4096  # commit_timings: the last rounds' (a few hundred bytes each)
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
-JOIN_WAIT_S = 20.0  # init=site: how long a Join waits for θ₀ before it is told to try again
 
 
 @dataclass
@@ -64,7 +64,7 @@ class _Commit:
     times: dict[str, Any]  # seconds of the commit's parts (Coordinator.commit_timings)
 
 
-class Coordinator(PushIntake):
+class Coordinator(PushIntake, SiteSessions):
     """Holds θ and the outer optimizer; runs rounds 0 .. total_rounds-1."""
 
     def __init__(
@@ -226,151 +226,6 @@ class Coordinator(PushIntake):
         with self._cv:
             now, pushed = self._clock(), self._round.pushed_at
             return {s: {**m, "pushed_s_ago": now - pushed[s] if s in pushed else None} for s, m in self._members.snapshot().items()}
-
-    # ---- membership ------------------------------------------------------------------
-    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0) -> JoinInfo:
-        """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
-        first site that can upload becomes its source (``JoinInfo.upload_init``); the others
-        wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
-        why = site_id_problem(site_id)
-        if why is not None:
-            raise CoordinatorError("invalid_argument", why)
-        self._check_settings(site_id, sync_every, codec, fragments)
-        specs = list(specs)
-        with self._cv:
-            self._require_healthy()
-            self._require_admissible(site_id)
-            give_up = time.monotonic() + JOIN_WAIT_S
-            while not self._ready:
-                if can_upload:
-                    declared = {s.name: s for s in specs}
-                    why = upload_problem(declared, len(specs))
-                    if why is not None:
-                        raise CoordinatorError("invalid_argument", f"site {site_id!r} cannot send θ₀: {why}")
-                    if self._election.choose(site_id, declared):
-                        self._admit(site_id)
-                        return self._join_info(upload_init=True)
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    who = f"site {self._election.source!r} is sending it" if not self._election.free() else "waiting for a site that can send it"
-                    raise CoordinatorError("unavailable", f"θ₀ is not set yet (init=site): {who}; join again shortly")
-                self._cv.wait(timeout=min(left, 0.5))  # wakes to see whether the source timed out
-            problems = mismatches(self._specs, specs)
-            if problems:
-                raise CoordinatorError(
-                    "invalid_argument", f"model of site {site_id!r} does not match the coordinator's (θ₀ from {self.init_from}): " + "; ".join(problems)[:2000]
-                )
-            self._admit(site_id)
-            return self._join_info()
-
-    def _require_admissible(self, site_id: str) -> None:
-        """Only the run's configured ids (or, without a list, up to ``max_sites`` ids) may join."""
-        if self.cfg.sites is not None and site_id not in self.cfg.sites:
-            raise CoordinatorError("permission_denied", f"site {site_id!r} is not one of this run's sites ({', '.join(self.cfg.sites)})")
-        known = self._members.known
-        if self.cfg.sites is None and self.cfg.max_sites is not None and site_id not in known and len(known) >= self.cfg.max_sites:
-            raise CoordinatorError("permission_denied", f"this run has {self.cfg.max_sites} site(s), all taken ({', '.join(sorted(known))}); site {site_id!r} may not join")
-
-    def _admit(self, site_id: str) -> None:
-        self._members.join(site_id)
-        self._left.pop(site_id, None)
-        # A site that (re)joins starts its rounds afresh: parts an earlier incarnation of it
-        # pushed must not be combined with the parts of this one.
-        self._parts.discard_site(site_id)
-
-    def _join_info(self, upload_init: bool = False) -> JoinInfo:
-        return JoinInfo(
-            total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.quorum.lease_s, upload_init=upload_init, eval_every=self.cfg.site_eval_every
-        )
-
-    def _check_settings(self, site_id: str, sync_every: int, codec: str, fragments: int = 0) -> None:
-        """A site that says its H, its number of fragments or its uplink codec must say the coordinator's."""
-        if fragments and fragments != self.cfg.fragments:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} has fragments={fragments}, this run has fragments={self.cfg.fragments}: use the run's value")
-        if sync_every and self.cfg.sync_every is not None and sync_every != self.cfg.sync_every:
-            raise CoordinatorError(
-                "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"
-            )
-        if codec and self.cfg.codec_up is not None and codec != self.cfg.codec_up:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} pushes with codec={quote(codec, 80)}, this run's codec is {self.cfg.codec_up}: use the run's codec")
-
-    def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
-        """θ₀ from the site that Join chose as its source (init=site): every tensor it declared,
-        whole, float32, finite, sent lossless; all or nothing. A refused upload leaves θ₀ unset
-        and the role to the next site that joins; an accepted one is checkpointed (round 0)
-        before any site can pull it, so a restarted coordinator never asks again."""
-        self._check_header(header, "upload of θ₀")
-        site = header.site_id
-        with self._cv:
-            self._require_healthy()
-            if self._ready:
-                raise CoordinatorError("failed_precondition", f"θ₀ is already set (from {self.init_from}); join again to pull it")
-            why = self._election.start(site)
-            if why is not None:
-                raise CoordinatorError("failed_precondition", why)
-            specs = dict(self._election.specs)
-
-        def keep_alive() -> None:
-            with self._cv:
-                try:
-                    self._members.renew(site)
-                except KeyError as e:
-                    raise CodecError(f"the upload stopped counting: {e.args[0]}") from None
-
-        try:
-            params, payload_bytes = decode_upload(specs, chunks, keep_alive)
-        except BaseException as e:
-            reason = str(e) if isinstance(e, CodecError) else f"the upload broke off ({type(e).__name__})"
-            with self._cv:
-                self._election.release(site, reason)
-                self._members.leave(site)  # it holds no round open; the next site takes the role
-                self._cv.notify_all()
-            if isinstance(e, CodecError):
-                raise CoordinatorError("invalid_argument", f"θ₀ from site {site!r} refused: {e}") from None
-            raise
-        with self._cv:
-            # θ₀ is installed and checkpointed under the lock: until it is, no site can push or
-            # pull anything, so there is nothing for the lock to hold up.
-            self._install(params, f"site {site!r}")
-            if self.cfg.checkpoint_dir is not None:
-                save_checkpoint(Path(self.cfg.checkpoint_dir), 0, self._checkpoint_state())
-            self._cv.notify_all()
-        for listener in self.on_init:
-            listener(self.init_from)
-        return PushResult(accepted=True, duplicate=False, round=0, payload_bytes=payload_bytes)
-
-    def leave(self, site_id: str, global_sha256: str, eval: SiteEval | None = None) -> None:
-        if global_sha256 and not (len(global_sha256) == 64 and all(c in "0123456789abcdef" for c in global_sha256)):
-            raise CoordinatorError("invalid_argument", f"global_sha256={quote(global_sha256)}: must be empty or 64 lowercase hex digits")
-        with self._cv:
-            self._require_healthy()
-            why = site_id_problem(site_id)
-            if why is not None:
-                raise CoordinatorError("invalid_argument", why)
-            if self._members.state(site_id) is None:
-                raise CoordinatorError("failed_precondition", self._members.why_not_active(site_id))
-            if eval is not None:
-                self._check_eval(site_id, eval)
-                self._site_evals.add(site_id, eval)
-            self._members.leave(site_id)
-            self._left[site_id] = global_sha256
-            self._cv.notify_all()
-
-    def _check_eval(self, site_id: str, e: SiteEval) -> None:
-        why = SiteEvals.problem(site_id, e, self._open)
-        if why is not None:
-            raise CoordinatorError("invalid_argument", why)
-
-    def site_eval(self, round: int) -> dict[str, Any] | None:
-        """The sites' evaluation of θ after ``round`` (SiteEvals.mean)."""
-        with self._cv:
-            return self._site_evals.mean(round)
-
-    def heartbeat(self, site_id: str) -> RoundStatus:
-        """Renews the site's lease; refused (failed_precondition) once it was evicted."""
-        with self._cv:
-            self._require_member(site_id)
-            return self._status()
 
     def tick(self) -> RoundRecord | None:
         """Evicts sites whose lease ended and closes the round if the policy now allows it.
