@@ -59,10 +59,10 @@ def _workers(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
 
 
-def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path) -> dict[str, Any]:
+def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path, timeout_s: float = 3600.0) -> dict[str, Any]:
     cfg = run_config_from_dict({**base, **extra})
     t = time.monotonic()
-    s = run_simulation(cfg, run_dir, progress=None, wan=wan)
+    s = run_simulation(cfg, run_dir, progress=None, wan=wan, timeout_s=timeout_s)
     workers = _workers(run_dir)
     step_s = statistics.median(w["inner_step_s_median"] for w in workers)
     pushes = cfg.sync_rounds * cfg.sites
@@ -146,6 +146,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another run key for every mode, dotted (outer.lr=0.5); numbers parsed as JSON")
     ap.add_argument("--loopback", action="store_true", help="no emulated link (the bpb figures do not depend on the link: every mode is deterministic)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--timeout-s", type=float, default=7200.0, help="each run's limit (sim.timeout_s): 30-round runs sharing the machine take over an hour")
     ap.add_argument("--replan", type=Path, nargs="+", metavar="JSON", help="run nothing: print the measured rows of these result files next to diloco-plan's predictions, with the sites' straggle from --straggle-from")
     ap.add_argument("--straggle-from", type=Path, metavar="JSON", help="with --replan: the result file whose blocking run gives the straggle (default: each file's own)")
     args = ap.parse_args()
@@ -169,7 +170,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # The sync's fixed cost (encode, commit, decode) on loopback, for the planner.
         if args.overhead_s is None:
-            ref = run_one(base, {}, None, Path(tmp) / "loopback")
+            ref = run_one(base, {}, None, Path(tmp) / "loopback", args.timeout_s)
             overhead = statistics.median(sum(v for k, v in t.items() if k != "wait_s") for t in ref["sync_s_median"])
             results["loopback_blocking"] = ref | {"overhead_s": round(overhead, 4)}
             print(f"loopback blocking: utilization {ref['compute_utilization']['run']:.3f}, step {ref['step_s']:.3f} s, sync overhead {overhead:.3f} s, bpb {ref['final_eval_bpb']:.4f}", flush=True)
@@ -178,7 +179,7 @@ def main() -> int:
             results["overhead_s"] = overhead
         for name in args.modes.split(","):
             extra = MODES[name]
-            r = run_one(base, extra, wan, Path(tmp) / name.replace(" ", "_"))
+            r = run_one(base, extra, wan, Path(tmp) / name.replace(" ", "_"), args.timeout_s)
             r["predicted"] = plan_for(r, base, extra, args.bandwidth_mbit, args.rtt_ms, overhead)
             results["runs"][name] = r
             u = r["compute_utilization"]["run"]
