@@ -4,6 +4,7 @@ translate, call, map refusals to status codes."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
@@ -204,10 +205,12 @@ def _register(servicer: CoordinatorServicer, server: grpc.Server, observer: Call
 
 
 class Server:
-    """The running gRPC server, its stream watch and its health service; ``stop`` stops them."""
+    """The running gRPC server, its stream watch, its health service and its worker threads;
+    ``stop`` stops them all."""
 
-    def __init__(self, server: grpc.Server, watch: StreamWatch, health: Health) -> None:
+    def __init__(self, server: grpc.Server, watch: StreamWatch, health: Health, pool: futures.ThreadPoolExecutor) -> None:
         self._server = server
+        self._pool = pool
         self.watch = watch
         self.health = health
 
@@ -216,10 +219,19 @@ class Server:
         self.health.set_serving(serving)
 
     def stop(self, grace: float | None) -> object:
-        """Stops serving (``grace`` seconds for calls in flight); returns grpc's stopped event."""
+        """Stops serving (``grace`` seconds for calls in flight); returns grpc's stopped event.
+        The worker threads end once the calls in flight have: grpc's own stop leaves them idle
+        in the pool for the life of the process."""
         self.health.shutdown()
         self.watch.close()
-        return self._server.stop(grace)
+        stopped = self._server.stop(grace)
+        threading.Thread(target=_release, args=(stopped, self._pool), name="rpc-pool-release", daemon=True).start()
+        return stopped
+
+
+def _release(stopped: threading.Event, pool: futures.ThreadPoolExecutor) -> None:
+    stopped.wait()
+    pool.shutdown(wait=False)
 
 
 def serve(
@@ -240,8 +252,9 @@ def serve(
     security = security or SecurityConfig()
     limits = limits or ServerLimits()
     credentials, auth = server_side(security, host)
+    pool = futures.ThreadPoolExecutor(max_workers=limits.max_rpcs, thread_name_prefix="coordinator-rpc")
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=limits.max_rpcs, thread_name_prefix="coordinator-rpc"),
+        pool,
         maximum_concurrent_rpcs=limits.max_rpcs,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -259,6 +272,7 @@ def serve(
     bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:
         watch.close()
+        pool.shutdown(wait=False)
         raise OSError(f"could not bind the coordinator to {address}")
     server.start()
-    return Server(server, watch, health), bound
+    return Server(server, watch, health, pool), bound

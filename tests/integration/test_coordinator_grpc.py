@@ -248,3 +248,27 @@ def test_pulls_need_a_joined_site_and_a_committed_round(served) -> None:
     _expect_refused(lambda: client.pull_update("a", 0), "failed_precondition", "round 0 is not committed")
     status, chunks = client.pull_global("a")
     assert {c.name for c in chunks} == set(_theta()) and status.committed_rounds == 0
+
+
+def _rpc_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("coordinator-rpc")}
+
+
+def test_stopping_the_server_ends_its_worker_threads() -> None:
+    """grpc's own stop leaves its pool's threads idle for the life of the process; a
+    coordinator's Server ends them once the calls in flight have ended."""
+    before = _rpc_threads()
+    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
+    server, port = serve(coord, "127.0.0.1", 0)
+    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
+    try:
+        _join(client, "a", "b")
+        assert _push(client, "a", 0).accepted
+        assert _rpc_threads() - before  # the calls ran on the server's pool
+    finally:
+        client.close()
+        assert server.stop(grace=None).wait(5)
+    deadline = time.monotonic() + 10
+    while _rpc_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _rpc_threads() - before
