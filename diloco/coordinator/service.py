@@ -51,6 +51,7 @@ from diloco.wire import encode_chunks, fingerprint
 _KEEP_RECORDS = 16
 _KEEP_TIMINGS = 4096  # commit_timings: the last rounds' (a few hundred bytes each)
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
+GAVE_UP_POLL_S = 0.25  # how often a held wait looks whether its caller went away
 
 
 @dataclass
@@ -433,22 +434,26 @@ class Coordinator(PushIntake, SiteSessions):
                 self._start = self._round.opened_at - float(last["elapsed_s"])
 
     # ---- pulls -----------------------------------------------------------------------
-    def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus:
-        """Blocks until ``round`` is committed or ``timeout_s`` passes; returns the status."""
+    def wait_round(self, site_id: str, round: int, timeout_s: float, gave_up: threading.Event | None = None) -> RoundStatus:
+        """Blocks until ``round`` is committed, ``timeout_s`` passes or ``gave_up`` is set (the
+        caller went away: its call was cancelled); returns the status."""
         if not 0 <= round < self.cfg.total_rounds:
             raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
         with self._cv:
             self._require_member(site_id)
             self._require_ready()
-            self._cv.wait_for(lambda: self._open > round or self.failed is not None, timeout=max(0.0, timeout_s))
+            self._wait_commit(round, timeout_s, gave_up)
             self._require_healthy()
             return self._status()
 
-    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0) -> list[Chunk] | None:
+    def pull_update(
+        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0, gave_up: threading.Event | None = None
+    ) -> list[Chunk] | None:
         """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
         the chunks that hold rows of those slices (what one rank of a sharded site needs). With
-        ``wait_s`` > 0 it first waits that long for the round's commit, and returns None if the
-        round is still open then (``wait_round`` and the pull in one call)."""
+        ``wait_s`` > 0 it first waits that long for the round's commit, or until ``gave_up`` is
+        set, and returns None if the round is still open then (``wait_round`` and the pull in
+        one call)."""
         with self._cv:
             self._require_member(site_id)
             self._require_ready()
@@ -456,7 +461,7 @@ class Coordinator(PushIntake, SiteSessions):
             if wait_s > 0:
                 if not 0 <= round < self.cfg.total_rounds:
                     raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
-                self._cv.wait_for(lambda: self._open > round or self.failed is not None, timeout=wait_s)
+                self._wait_commit(round, wait_s, gave_up)
                 self._require_healthy()
                 if round >= self._open:
                     return None
@@ -464,6 +469,21 @@ class Coordinator(PushIntake, SiteSessions):
             if round >= self._open:
                 raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
             return self._downlink.update(round, want)
+
+    def _wait_commit(self, round: int, timeout_s: float, gave_up: threading.Event | None) -> None:
+        """Waits (holding ``_cv``) until ``round`` commits, the run fails, ``timeout_s`` passes
+        or ``gave_up`` is set. A commit wakes the wait at once; ``gave_up`` is looked at every
+        ``GAVE_UP_POLL_S``, so that a cancelled call's thread is free within that."""
+        done = lambda: self._open > round or self.failed is not None  # noqa: E731
+        if gave_up is None:
+            self._cv.wait_for(done, timeout=max(0.0, timeout_s))
+            return
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not done() and not gave_up.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(min(left, GAVE_UP_POLL_S))
 
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
         """θ after the last committed round, float32, with the round status it belongs to (with

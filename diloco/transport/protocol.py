@@ -4,6 +4,7 @@ Each method raises ``diloco.errors.CoordinatorError`` to refuse a call."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -18,9 +19,11 @@ class CoordinatorService(Protocol):
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult: ...
 
-    def wait_round(self, site_id: str, round: int, timeout_s: float) -> RoundStatus: ...
+    def wait_round(self, site_id: str, round: int, timeout_s: float, gave_up: threading.Event | None = None) -> RoundStatus: ...
 
-    def pull_update(self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0) -> list[Chunk] | None: ...
+    def pull_update(
+        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0, gave_up: threading.Event | None = None
+    ) -> list[Chunk] | None: ...
 
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]: ...
 

@@ -37,6 +37,15 @@ _STATUS = {
 }
 
 
+def _gave_up(context: grpc.ServicerContext) -> threading.Event:
+    """Set when the call ends (the caller cancelled it, or its deadline passed): a held wait
+    then frees its worker thread at once rather than at the commit or its timeout."""
+    ended = threading.Event()
+    if not context.add_callback(ended.set):
+        ended.set()  # already over
+    return ended
+
+
 def _abort(context: grpc.ServicerContext, e: CoordinatorError) -> None:
     context.abort(_STATUS.get(e.kind, grpc.StatusCode.UNKNOWN), e.message)
 
@@ -110,7 +119,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WaitRound(self, request: pb.WaitRequest, context: grpc.ServicerContext) -> pb.RoundStatus:
         with self._as(context, request.site_id):
             try:
-                status = self._c.wait_round(request.site_id, request.round, min(max(request.timeout_s, 0.0), 60.0))
+                status = self._c.wait_round(request.site_id, request.round, min(max(request.timeout_s, 0.0), 60.0), _gave_up(context))
             except CoordinatorError as e:
                 _abort(context, e)
         return serde.status_to_proto(status)
@@ -119,7 +128,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         with self._as(context, request.site_id):
             wait_s = min(max(request.wait_s, 0.0), 60.0) if math.isfinite(request.wait_s) else 0.0
             try:
-                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s)
+                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s, gave_up=_gave_up(context))
             except CoordinatorError as e:
                 _abort(context, e)
             if not context.is_active():

@@ -15,7 +15,8 @@ from diloco.wire import encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.wire.fingerprint import fingerprint
 from diloco.outer import OuterConfig
-from diloco.transport import CoordinatorClient, serve
+from diloco.errors import RemoteError
+from diloco.transport import CoordinatorClient, ServerLimits, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.types import Chunk, PushHeader, TensorSpec
@@ -118,6 +119,45 @@ def test_a_pull_given_up_while_it_waits_changes_nothing(served) -> None:
     assert _push(client, "b", 0, _delta(0.3)).accepted
     assert coord.committed_rounds == 1
     assert [c.payload for c in client.pull_update("a", 0, wait_s=5)] == [c.payload for c in client.pull_update("b", 0)]
+
+
+@pytest.mark.parametrize("call", ["pull", "wait_round"])
+def test_a_held_call_given_up_frees_its_site_slot_at_once(call: str) -> None:
+    """Under a limit of one call in flight per site, a site that cancels its held pull (or
+    wait) can call again within a moment, not only when the round commits or the hold ends."""
+    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
+    server, port = serve(coord, "127.0.0.1", 0, limits=ServerLimits(max_rpcs_per_site=1))
+    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
+
+    def when_free(fn):  # the slot of a call answered a moment ago may not be free yet
+        since = time.monotonic()
+        while True:
+            try:
+                return fn()
+            except RemoteError as e:
+                assert e.kind == "resource_exhausted" and time.monotonic() - since < 10, e
+                time.sleep(0.05)
+
+    try:
+        when_free(lambda: _join(client, "a"))
+        when_free(lambda: _join(client, "b"))
+        assert when_free(lambda: _push(client, "a", 0)).accepted
+        time.sleep(0.3)
+        if call == "pull":
+            held = client.start_pull("a", 0, wait_s=30)
+        else:
+            held = client._stub.WaitRound.future(pb.WaitRequest(site_id="a", round=0, timeout_s=30), timeout=30)
+        time.sleep(0.3)  # held at the coordinator
+        _expect_refused(lambda: client.heartbeat("a"), "resource_exhausted", "calls in flight")
+        held.cancel()
+        given_up = time.monotonic()
+        when_free(lambda: client.heartbeat("a"))
+        print(f"{call}: site slot free {time.monotonic() - given_up:.2f} s after the cancel")
+        assert coord.committed_rounds == 0  # freed by the cancellation, not by a commit
+        assert _push(client, "b", 0).accepted and coord.committed_rounds == 1
+    finally:
+        client.close()
+        server.stop(grace=None).wait(5)
 
 
 def _expect_refused(fn, code: str, *fragments: str) -> None:

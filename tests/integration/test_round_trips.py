@@ -50,14 +50,14 @@ class PullFirst:
             self.waited_out.append(header.round)
         return result
 
-    def wait_round(self, site_id: str, round: int, timeout_s: float) -> Any:
+    def wait_round(self, site_id: str, round: int, timeout_s: float, gave_up: Any = None) -> Any:
         self.calls.append(("wait_round", round))
-        return self._c.wait_round(site_id, round, timeout_s)
+        return self._c.wait_round(site_id, round, timeout_s, gave_up)
 
-    def pull_update(self, site_id: str, round: int, want: Any = None, wait_s: float = 0.0) -> Any:
+    def pull_update(self, site_id: str, round: int, want: Any = None, wait_s: float = 0.0, gave_up: Any = None) -> Any:
         self.calls.append(("pull", round))
         self._event(round).set()
-        return self._c.pull_update(site_id, round, want, wait_s=wait_s)
+        return self._c.pull_update(site_id, round, want, wait_s=wait_s, gave_up=gave_up)
 
 
 @pytest.fixture
