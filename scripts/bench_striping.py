@@ -23,7 +23,8 @@ import torch
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig
-from diloco.sim.wan import LinkSpec, WanEmulator
+from diloco.sim.links import LinkSpec
+from diloco.sim.wan import WanEmulator
 from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.transport import CoordinatorClient, serve
 

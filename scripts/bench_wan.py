@@ -17,7 +17,8 @@ import threading
 import time
 
 from diloco.sim import wan
-from diloco.sim.wan import LinkSpec, WanEmulator
+from diloco.sim.links import LinkSpec
+from diloco.sim.wan import WanEmulator
 
 
 class _Server:

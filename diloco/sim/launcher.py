@@ -37,8 +37,7 @@ from diloco.observe.status_page import access_hint
 from diloco.observe.rundata import PLOTS_DIR
 from diloco.observe.tensorboard import TB_DIR
 from diloco.security.store import write_run_credentials
-from diloco.sim.links import WanPlan, wan_plan
-from diloco.sim.wan import LinkSpec
+from diloco.sim.links import LinkSpec, WanPlan, wan_plan
 
 
 CREDENTIALS_DIR = "credentials"  # the run's credentials a simulation makes (diloco-certs' layout)

@@ -5,13 +5,81 @@ the coordinator, on the real gRPC byte streams."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.sim.wan import LinkSpec
+WAN_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms", "window_kb")  # a link's config form
 
-WAN_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms", "window_kb")
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One emulated link. For a site's link, up is site -> coordinator and down is
+    coordinator -> site; for the coordinator's shared link, up is what the coordinator sends
+    (to every site) and down what it receives (from every site)."""
+
+    up_mbit: float | None = None  # bandwidth up, Mbit/s (1e6 bit/s); None: unlimited
+    down_mbit: float | None = None  # bandwidth down, Mbit/s; None: unlimited
+    rtt_ms: float = 0.0  # round-trip time the link adds: rtt/2 each direction
+    jitter_ms: float = 0.0  # extra one-way delay per segment, uniform in [0, jitter_ms]; order kept
+    # The most bytes one connection may have sent and not yet acknowledged, per direction, in
+    # KiB (TCP's window: the smaller of the congestion window and the receiver's buffer); a
+    # byte is acknowledged one round trip after it left the sender's link, so one connection
+    # carries at most window / RTT. None: no limit (a connection can fill the link at once).
+    window_kb: float | None = None
+
+    def problem(self, where: str) -> str | None:
+        """What is wrong with this spec, naming the field under ``where``; None if nothing."""
+        for name in ("up_mbit", "down_mbit", "window_kb"):
+            if (msg := _rate_problem(getattr(self, name), _field(where, name))) is not None:
+                return msg
+        for name in ("rtt_ms", "jitter_ms"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                return f"{_field(where, name)}={value!r}: must be a finite number >= 0"
+        return None
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], where: str) -> LinkSpec:
+        """A spec from its config form. ``bandwidth_mbit`` sets both directions; ``up_mbit`` or
+        ``down_mbit``, if also given, override it for theirs. ValueError names the field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}={d!r}: must be a mapping with some of {', '.join(WAN_KEYS)}")  # noqa: TRY004 - one error type for a bad config
+        unknown = sorted(str(k) for k in d if k not in WAN_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(WAN_KEYS)}")
+        both = d.get("bandwidth_mbit")
+        if (msg := _rate_problem(both, _field(where, "bandwidth_mbit"))) is not None:
+            raise ValueError(msg)
+        spec = LinkSpec(
+            up_mbit=d.get("up_mbit", both),
+            down_mbit=d.get("down_mbit", both),
+            rtt_ms=d.get("rtt_ms", 0.0),
+            jitter_ms=d.get("jitter_ms", 0.0),
+            window_kb=d.get("window_kb"),
+        )
+        if (msg := spec.problem(where)) is not None:
+            raise ValueError(msg)
+        as_float = {k: None if v is None else float(v) for k, v in spec.to_dict().items()}
+        return LinkSpec(**as_float)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"up_mbit": self.up_mbit, "down_mbit": self.down_mbit, "rtt_ms": self.rtt_ms, "jitter_ms": self.jitter_ms, "window_kb": self.window_kb}
+
+
+def _field(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rate_problem(value: object, field: str) -> str | None:
+    if value is None or (_is_number(value) and math.isfinite(value) and value > 0):  # type: ignore[arg-type]
+        return None
+    return f"{field}={value!r}: must be a finite number > 0 (or null: unlimited)"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from diloco.sim.wan import LinkSpec, WanEmulator, emulator_from_spec
+from diloco.sim.links import LinkSpec
+from diloco.sim.wan import WanEmulator, emulator_from_spec
 
 pytestmark = pytest.mark.timeout(60)
 RETRY_PAUSE_S = 2.0
