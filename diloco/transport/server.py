@@ -229,8 +229,8 @@ class Server:
 
     def stop(self, grace: float | None) -> object:
         """Stops serving (``grace`` seconds for calls in flight); returns grpc's stopped event.
-        The worker threads end once the calls in flight have: grpc's own stop leaves them idle
-        in the pool for the life of the process."""
+        The worker threads end once the calls in flight have (grpc's own stop leaves them idle
+        until the pool is garbage-collected)."""
         self.health.shutdown()
         self.watch.close()
         stopped = self._server.stop(grace)

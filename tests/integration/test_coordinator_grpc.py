@@ -295,7 +295,7 @@ def _rpc_threads() -> set[threading.Thread]:
 
 
 def test_stopping_the_server_ends_its_worker_threads() -> None:
-    """grpc's own stop leaves its pool's threads idle for the life of the process; a
+    """grpc's own stop leaves its pool's threads idle until the pool is collected; a
     coordinator's Server ends them once the calls in flight have ended."""
     before = _rpc_threads()
     coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
