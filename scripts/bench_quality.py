@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="bench_quality.py",
         description="Final held-out eval bpb of diloco vs ddp vs single at equal inner steps per worker.",
     )
-    p.add_argument("--model", default="tiny", help="model preset (diloco/model.py MODEL_SIZES); default tiny")
+    p.add_argument("--model", default="tiny", help="model preset (diloco/model_config.py MODEL_SIZES); default tiny")
     p.add_argument("--rounds", type=int, default=None, help=f"outer rounds (default {DEFAULTS['rounds']}; --quick: {QUICK['rounds']})")
     p.add_argument("--sync-every", type=int, default=None, help=f"H, inner steps per round (default {DEFAULTS['sync_every']}; --quick: {QUICK['sync_every']})")
     p.add_argument("--sites", type=int, default=None, help=f"diloco sites / ddp ranks (default {DEFAULTS['sites']}; --quick: {QUICK['sites']})")
