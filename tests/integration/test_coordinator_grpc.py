@@ -147,8 +147,16 @@ def test_a_held_call_given_up_frees_its_site_slot_at_once(call: str) -> None:
             held = client.start_pull("a", 0, wait_s=30)
         else:
             held = client._stub.WaitRound.future(pb.WaitRequest(site_id="a", round=0, timeout_s=30), timeout=30)
-        time.sleep(0.3)  # held at the coordinator
-        _expect_refused(lambda: client.heartbeat("a"), "resource_exhausted", "calls in flight")
+        time.sleep(0.3)  # a heartbeat sent before the held call reaches the coordinator would take its slot
+        since = time.monotonic()
+        while True:  # until the held call has reached the coordinator and holds the slot
+            try:
+                client.heartbeat("a")
+            except RemoteError as e:
+                assert e.kind == "resource_exhausted" and "calls in flight" in e.message, e
+                break
+            assert time.monotonic() - since < 10, "the held call never reached the coordinator"
+            time.sleep(0.05)
         held.cancel()
         given_up = time.monotonic()
         when_free(lambda: client.heartbeat("a"))
