@@ -27,7 +27,7 @@ class QuorumConfig:
     coordinator's option)."""
 
     lease_s: float = 60.0  # a site silent this long (no call, no heartbeat) is evicted until it joins again
-    min_sites: int | None = None  # a round never closes with fewer pushes; None: every site of the run
+    min_sites: int | None = None  # a round never closes with fewer pushes; None: a majority of the sites (sites // 2 + 1)
     deadline: str = "none"
     deadline_s: float = 60.0
     deadline_factor: float = 1.5
