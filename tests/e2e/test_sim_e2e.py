@@ -27,6 +27,9 @@ UNIFORM_BPB = 8.0  # bits per byte of a uniform guess over 256 byte values
 
 # Small runs: a DiLoCo round of 3 sites x 3 inner steps x 4 sequences.
 SITES, H, ROUNDS, BATCH = 3, 3, 3, 4
+# Every round waits for every site: under the default quorum (a majority) a site whose process
+# starts a second late on a loaded machine misses round 0, and these runs compare every round.
+EVERY_SITE = [f"quorum.min_sites={SITES}"]
 SMALL = [f"sync_every={H}", f"rounds={ROUNDS}", f"data.batch_size={BATCH}", "eval_every=1", "sim.timeout_s=240"]
 
 METRIC_KEYS = {"round", "participants", "tokens", "bytes_up", "bytes_down", "train_loss", "eval_bpb", "global_sha256", "wall_s"}
@@ -54,7 +57,7 @@ def _is_site_process(argv: list[str], site_id: str) -> bool:
 
 @pytest.fixture(scope="module")
 def diloco_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return run_ok(tmp_path_factory.mktemp("diloco") / "run", "mode=diloco", f"sites={SITES}", *SMALL)
+    return run_ok(tmp_path_factory.mktemp("diloco") / "run", "mode=diloco", f"sites={SITES}", *EVERY_SITE, *SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +199,7 @@ def test_single_seed_determinism(single_run: Run, tmp_path: Path) -> None:
 def test_diloco_seed_determinism(diloco_run: Run, tmp_path: Path) -> None:
     # The same config again: its three sites push in whatever order they finish, which differs
     # between the two runs, and the coordinator's sum must not depend on it.
-    again = run_ok(tmp_path / "again", "mode=diloco", f"sites={SITES}", *SMALL)
+    again = run_ok(tmp_path / "again", "mode=diloco", f"sites={SITES}", *EVERY_SITE, *SMALL)
     assert again.summary["hashes_equal"], again.describe()
     assert [m["global_sha256"] for m in again.metrics] == [m["global_sha256"] for m in diloco_run.metrics]
     assert again.summary["global_sha256"] == diloco_run.summary["global_sha256"]
