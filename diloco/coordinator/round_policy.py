@@ -38,6 +38,10 @@ class QuorumConfig:
     # mean of the Δ received) | zero (a zero Δ with its tokens: the step shrinks by the share
     # of the round's tokens whose Δ was lost). aggregate=mean only; the others skip it.
     withheld: str = "skip"
+    # A fresh run's start: the first pull of θ waits until every site of the run has asked for
+    # it, up to this many seconds after the first did, so that every site starts round 0 at
+    # once (which sites make round 0 must not depend on which process started first). 0: off.
+    start_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.late not in LATE_POLICIES:
@@ -50,6 +54,8 @@ class QuorumConfig:
             raise ValueError(f"quorum.max_staleness={self.max_staleness!r}: must be an integer >= 1")
         if not self.lease_s > 0:
             raise ValueError(f"quorum.lease_s={self.lease_s}: must be > 0")
+        if not (isinstance(self.start_wait_s, int | float) and 0 <= self.start_wait_s < float("inf")):
+            raise ValueError(f"quorum.start_wait_s={self.start_wait_s!r}: must be a number of seconds >= 0 (0: no start barrier)")
         if self.min_sites is not None and not (isinstance(self.min_sites, int) and self.min_sites >= 1):
             raise ValueError(f"quorum.min_sites={self.min_sites!r}: must be null or an integer >= 1")
         RoundPolicy(deadline=self.deadline, deadline_s=self.deadline_s, deadline_factor=self.deadline_factor)

@@ -15,6 +15,7 @@ meanwhile; pushes for the closing round and pulls of θ wait for the publication
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from diloco.coordinator.round_state import RoundState
 from diloco.coordinator.sessions import SiteSessions
 from diloco.coordinator.site_evals import SiteEvals
 from diloco.coordinator.staging import StagingPool
+from diloco.coordinator.start_barrier import StartBarrier
 from diloco.errors import CoordinatorError
 from diloco.outer import NormBound, OuterConfig, OuterOptimizer, averaged_from, params_sha256
 from diloco.outer.fragments import fragment_of_round, split_fragments
@@ -51,6 +53,7 @@ from diloco.wire import encode_chunks, fingerprint
 _KEEP_RECORDS = 16
 _KEEP_TIMINGS = 4096  # commit_timings: the last rounds' (a few hundred bytes each)
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
+START_HOLD_S = 20.0  # the longest a first pull of θ is held at the start barrier; then: pull again
 GAVE_UP_POLL_S = 0.25  # how often a held wait looks whether its caller went away
 
 
@@ -115,6 +118,8 @@ class Coordinator(PushIntake, SiteSessions):
         self._parts = PartialPushes()  # parts of sharded sites' pushes, until each site's last part
         # The seconds of each recent commit's parts (commit_timings): what the closing push costs.
         self._timings: collections.deque[dict[str, Any]] = collections.deque(maxlen=_KEEP_TIMINGS)
+        expected = len(cfg.sites) if cfg.sites is not None else cfg.max_sites
+        self._barrier = StartBarrier(expected, cfg.quorum.start_wait_s)  # round 0 starts when every site is in
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
@@ -410,6 +415,7 @@ class Coordinator(PushIntake, SiteSessions):
         if digest != state["global_sha256"]:
             raise ValueError(f"checkpoint θ hashes to {digest[:16]}, the checkpoint says {str(state['global_sha256'])[:16]}")
         with self._cv:
+            self._barrier.open = True  # the sites of a restored run are past their start
             if not self._ready:  # init=site: θ₀ was committed before the restart; never asked again
                 self._install(state["outer"]["params"], str(state.get("init_from", "the checkpoint")))
             self._outer.load_state_dict(state["outer"])
@@ -492,6 +498,7 @@ class Coordinator(PushIntake, SiteSessions):
             self._require_member(site_id)
             self._require_ready()
             self._downlink.check_want(want)
+            self._await_start(site_id)
             self._wait_published()
             open_round = self._open
 
@@ -499,6 +506,33 @@ class Coordinator(PushIntake, SiteSessions):
                 return list(encode_chunks(self._outer.params, codec=get_codec("fp32"), chunk_bytes=self.cfg.chunk_bytes))
 
             return self._status(), self._downlink.global_params(open_round, encode, want)
+
+    def _await_start(self, site_id: str) -> None:
+        """Under the lock: a fresh run's first pulls of θ wait at the start barrier
+        (diloco.coordinator.start_barrier), each call ``START_HOLD_S`` at most; the one that
+        opens it opens round 0 then, for every site at once."""
+        barrier = self._barrier
+        if barrier.open:
+            return
+        if self._open > 0:
+            barrier.open = True
+            return
+        now = self._clock()
+        barrier.arrive(site_id, now)
+        give_up = now + START_HOLD_S
+        while not barrier.open:
+            if barrier.release(now):
+                if not self._round.pushed_at:
+                    self._round.opened_at = now
+                self._cv.notify_all()
+                break
+            if now >= give_up:
+                raise CoordinatorError("unavailable", f"the run starts when every site has pulled θ₀: {barrier.waiting_for()}; pull again shortly")
+            self._cv.wait(timeout=max(0.0, min(0.5, give_up - now, barrier.opens_at - now)))
+            self._require_healthy()
+            with contextlib.suppress(KeyError):  # waiting here is a sign of life
+                self._members.renew(site_id)
+            now = self._clock()
 
     def late_pushes(self, round: int) -> list[dict[str, Any]]:
         """Pushes ({"site", "round"}) that arrived while ``round`` was open, for rounds committed

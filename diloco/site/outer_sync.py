@@ -180,7 +180,7 @@ class OuterSync:
         self.eval_every = info.eval_every
         if info.upload_init:
             self._upload_init()
-        self._pull_global()
+        self._retrying(self._pull_global, "pull of θ")  # a fresh run's first pull waits for every site
         if self._heartbeat is None and info.lease_s > 0 and self.layout.leader:
             self._heartbeat = Heartbeat(self.client, self.site_id, info.lease_s / 3, self._log)
         return info
