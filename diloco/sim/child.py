@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A rank started by torchrun for the simulator: die with torchrun, as torchrun dies
         # with the simulator, so that no rank outlives a killed run.
-        from diloco.sim.launcher import die_with_parent
+        from diloco.sim.zygote import die_with_parent
 
         die_with_parent()
     cfg = run_config_from_dict(json.loads(args.config.read_text()))

@@ -28,11 +28,9 @@ ARGS = ["mode=diloco", f"sites={SITES}", f"sync_every={H}", f"rounds={ROUNDS}", 
 
 
 def _site_pids(run_dir: Path, site: str) -> list[int]:
-    pids = []
-    for pid, argv in processes_of(run_dir).items():
-        if "diloco.sim.child" in argv and "site" in argv and "--site-id" in argv and argv[argv.index("--site-id") + 1] == site:
-            pids.append(pid)
-    return pids
+    """The site's process (forked from the run's zygote: pids.json names it), if alive."""
+    pid = json.loads((run_dir / "pids.json").read_text()).get(f"site {site}")
+    return [pid] if pid in processes_of(run_dir) else []
 
 
 def _wait(popen: subprocess.Popen[str], ready) -> None:  # type: ignore[no-untyped-def]
