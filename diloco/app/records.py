@@ -224,6 +224,12 @@ RUN_FILES: tuple[RunFile, ...] = (
     RunFile("checkpoints/coordinator/, checkpoints/site-<i>/", "atomic checkpoints (coordinator: every round; sites: their own state)", None, "the coordinator, each site"),
     RunFile("logs/<process>.<incarnation>.log", "each process's output: log lines `time [process] LEVEL message` (logging.json=true: one JSON object per line, {time, process, level, message})", None, "diloco-sim"),
     RunFile("tb/coordinator/, tb/site-<id>/", "TensorBoard event files (tensorboard.enabled): the run's scalars per round, by round and by tokens (by_tokens/); each site's inner loss, lr and step time per step, and its outer sync's time split per round (docs/observability.md)", None, "the coordinator (ddp/single: rank 0), each site"),
+    RunFile(
+        "pids.json",
+        "each process's pid by name (`coordinator`, `site <id>`, `rank <r>`, `wan`; a restarted one's latest): forked processes share the zygote's command line (sim.fork)",
+        None,
+        "diloco-sim",
+    ),
     RunFile("prometheus/<process>.json", "where a process serves Prometheus /metrics: {host, port, url} (diloco-sim's metrics.port)", None, "the coordinator, each site"),
     RunFile("plots/*.png", "eval_vs_tokens, train_loss_vs_tokens, eval_vs_bytes (log scale), overview (the three side by side), timeline (per site and round: pushed, absent, evicted, late, dropped, refused, killed, rejoined)", None, "diloco-sim, at the end (sim.plots)"),
 )
