@@ -415,7 +415,11 @@ def _start(
     args = ["--incarnation", str(incarnation), "--skip-faults", ",".join(map(str, skip_faults or []))] if extra else []
     popen: subprocess.Popen[bytes] | Forked
     if zygote is not None and cmd[: len(CHILD)] == CHILD:
-        popen = zygote.spawn(cmd[len(CHILD) :] + args, log_path, env, nice)  # its own session, as below
+        try:
+            popen = zygote.spawn(cmd[len(CHILD) :] + args, log_path, env, nice)  # its own session, as below
+        except RuntimeError as e:  # the zygote died (its traceback is on this process's stderr)
+            log_file.close()
+            raise SimError(f"{name}: {e}") from None
     else:
         # Its own process group, so that stopping it also stops what it started (torchrun's ranks).
         popen = subprocess.Popen(

@@ -78,6 +78,8 @@ def test_closing_the_zygote_takes_its_children_with_it(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the child outlived its zygote"
             time.sleep(0.05)
         assert child.wait(timeout=1) == -signal.SIGKILL
+        with pytest.raises(RuntimeError, match="did not start a child"):  # the launcher makes it a SimError naming the process
+            z.spawn(["coordinator"], tmp_path / "late.log", dict(os.environ))
     finally:
         z.close()
 
