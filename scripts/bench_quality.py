@@ -59,7 +59,8 @@ from diloco.app.config import ConfigError, RunConfig, run_config_defaults, run_c
 from diloco.data import DataError
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.faults import FaultsConfig
-from diloco.sim.launcher import SimError, SimStopped, run_simulation, sim_faults
+from diloco.sim.launcher import SimError, SimStopped, run_simulation
+from diloco.sim.sections import sim_faults
 
 ALL_MODES = ("diloco", "ddp", "single")
 DEFAULTS: dict[str, Any] = {"rounds": 10, "sync_every": 50, "sites": 4, "seeds": "0,1,2"}

@@ -12,7 +12,8 @@ from diloco.app.config import ConfigError
 from diloco.data import DataError
 from diloco.io import exit_process
 from diloco.observe.logs import setup_logging
-from diloco.sim.launcher import SimError, run_simulation, sim_faults, sim_metrics, sim_status, sim_wan
+from diloco.sim.launcher import SimError, run_simulation
+from diloco.sim.sections import sim_faults, sim_metrics, sim_status, sim_wan
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="sim", version_base=None)

@@ -28,7 +28,7 @@ from diloco.codec import get_codec
 from diloco.wire import encode_chunks
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
-from diloco.sim.launcher import check_before_start
+from diloco.sim.sections import check_before_start
 from diloco.transport import CoordinatorClient, RemoteError, serve
 from diloco.types import PushHeader
 

@@ -296,7 +296,7 @@ def test_a_stopping_server_says_not_serving_to_its_watchers() -> None:
 
 def test_a_metrics_port_in_use_fails_the_start_naming_the_port(busy_port: int, tmp_path: Path) -> None:
     from diloco.observe.prom import new_registry
-    from diloco.sim.launcher import sim_metrics
+    from diloco.sim.sections import sim_metrics
 
     with pytest.raises(MetricsEndpointError, match=f"metrics.port={busy_port}: 127.0.0.1:{busy_port} is already in use"):
         serve_metrics(new_registry(), "127.0.0.1", busy_port)

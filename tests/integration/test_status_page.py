@@ -38,7 +38,7 @@ from diloco.observe.status_state import MetricsTail, curves
 from diloco.outer import OuterConfig
 from diloco.security.config import SecurityConfig
 from diloco.security.store import RunCredentials, write_run_credentials
-from diloco.sim.launcher import sim_status
+from diloco.sim.sections import sim_status
 from diloco.types import PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint

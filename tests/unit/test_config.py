@@ -62,7 +62,7 @@ def test_bad_values_name_the_field(override: dict, field: str) -> None:
 )
 def test_bad_fault_events_name_the_event_and_key(faults: dict, field: str) -> None:
     """The simulation owns its fault events (diloco.sim): checked against the run's sites and rounds."""
-    from diloco.sim.launcher import sim_faults
+    from diloco.sim.sections import sim_faults
 
     with pytest.raises(ConfigError) as info:
         sim_faults(faults, RunConfig())

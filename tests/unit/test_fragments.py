@@ -136,7 +136,7 @@ def test_frozen_fragments_need_no_flush_rounds() -> None:
 
 
 def test_more_fragments_than_layers_is_refused_before_any_process_starts() -> None:
-    from diloco.sim.launcher import check_before_start
+    from diloco.sim.sections import check_before_start
 
     with pytest.raises(ConfigError, match="fragments=4: the model has only 3 layer"):
         check_before_start(run_config_from_dict({"sync_every": 8, "fragments": 4}))

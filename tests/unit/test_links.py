@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.app.config import ConfigError, run_config_from_dict
-from diloco.sim.launcher import sim_wan
+from diloco.sim.sections import sim_wan
 from diloco.sim.links import wan_plan
 
 
