@@ -38,6 +38,7 @@ class Downlink:
         self._bundle_bytes = bundle_bytes
         self._updates: dict[int, _Served] = {}
         self._global: tuple[int, _Served] | None = None  # (open round, θ as fp32 chunks)
+        self._momentum: tuple[int, _Served] | None = None  # (open round, the outer momentum as fp32 chunks)
         self._bytes: dict[int, int] = {}
 
     def check_want(self, want: Mapping[str, Box] | None) -> None:
@@ -73,6 +74,13 @@ class Downlink:
             self._global = (open_round, _Served.of(encode(), self._bundle_bytes))
         return self._serve(open_round, self._global[1], want)
 
+    def outer_state(self, open_round: int, encode: Callable[[], list[Chunk]], want: Mapping[str, Box] | None) -> list[Chunk]:
+        """The outer optimizer's momentum at ``open_round``, encoded once per round as θ is:
+        a site that looks ahead of the outer step asks for it with θ when it (re)joins."""
+        if self._momentum is None or self._momentum[0] != open_round:
+            self._momentum = (open_round, _Served.of(encode(), self._bundle_bytes))
+        return self._serve(open_round, self._momentum[1], want)
+
     def _serve(self, round: int, served: _Served, want: Mapping[str, Box] | None) -> list[Chunk]:
         if want is None:
             chunks, payload = served.chunks, served.payload_bytes
@@ -87,4 +95,4 @@ class Downlink:
 
     def clear(self) -> None:
         """After a restart: the updates of the predecessor are gone (sites then pull θ)."""
-        self._updates, self._global = {}, None
+        self._updates, self._global, self._momentum = {}, None, None

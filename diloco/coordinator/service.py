@@ -494,18 +494,34 @@ class Coordinator(PushIntake, SiteSessions):
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
         """θ after the last committed round, float32, with the round status it belongs to (with
         ``want``: only the chunks that hold rows of those slices)."""
+        status, chunks, _ = self._pull_global(site_id, want, outer_state=False)
+        return status, chunks
+
+    def pull_global_with_state(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk], list[Chunk]]:
+        """``pull_global``'s θ and, of the same round, the outer optimizer's momentum buffers
+        (float32, zeros where it keeps none yet; none at all before the first round commits):
+        what a site that looks ahead of the outer step (eager, merge=ahead) follows. An outer
+        step it cannot follow (not SGD) is refused with failed_precondition."""
+        return self._pull_global(site_id, want, outer_state=True)
+
+    def _pull_global(self, site_id: str, want: Mapping[str, Box] | None, outer_state: bool) -> tuple[RoundStatus, list[Chunk], list[Chunk]]:
         with self._cv:
             self._require_member(site_id)
             self._require_ready()
             self._downlink.check_want(want)
+            if outer_state and self._outer.cfg.name != "SGD":
+                raise CoordinatorError("failed_precondition", f"the outer step is {self._outer.cfg.name}, not SGD: it keeps no momentum buffer a look-ahead follows")
             self._await_start(site_id)
             self._wait_published()
             open_round = self._open
 
-            def encode() -> list[Chunk]:
-                return list(encode_chunks(self._outer.params, codec=get_codec("fp32"), chunk_bytes=self.cfg.chunk_bytes))
+            def encode(tensors: Callable[[], Mapping[str, torch.Tensor]]) -> Callable[[], list[Chunk]]:
+                return lambda: list(encode_chunks(tensors(), codec=get_codec("fp32"), chunk_bytes=self.cfg.chunk_bytes))
 
-            return self._status(), self._downlink.global_params(open_round, encode, want)
+            chunks = self._downlink.global_params(open_round, encode(lambda: self._outer.params), want)
+            # Before the first outer step there is no momentum to follow: none is sent.
+            momentum = self._downlink.outer_state(open_round, encode(self._outer.momentum_buffers), want) if outer_state and open_round > 0 else []
+            return self._status(), chunks, momentum
 
     def _await_start(self, site_id: str) -> None:
         """Under the lock: a fresh run's first pulls of θ wait at the start barrier

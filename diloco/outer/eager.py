@@ -108,6 +108,13 @@ class EagerStart:
         self.buffer.update(after)
         self.mean = (k, g)
 
+    def follow(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        """The coordinator's momentum buffers as pulled with θ (after a restart or a catch-up):
+        the look-ahead goes on from them exactly. A zero buffer and an absent one give the
+        same next step (torch's SGD starts a buffer as the gradient itself)."""
+        self.buffer = {n: b.float().clone() for n, b in buffers.items()}
+        self.mean = None
+
     def missed(self, k: int, names: Iterable[str] | None = None) -> None:
         """Round ``k`` landed but the site did not see its update (it caught up on θ whole): the
         buffers of its parameters (``names``; None: all) go on by the momentum alone, and no

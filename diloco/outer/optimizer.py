@@ -214,6 +214,16 @@ class OuterOptimizer:
         self.update_norm = size
         return sent
 
+    def momentum_buffers(self) -> dict[str, torch.Tensor]:
+        """Every parameter's momentum buffer (float32; views, read them under the caller's lock),
+        zeros where the optimizer keeps none yet: torch's SGD starts a buffer as the gradient
+        itself, so an absent buffer and a zero one give the same next step."""
+        out = {}
+        for n in self.names:
+            buf = self._opt.state.get(self.params[n], {}).get("momentum_buffer")
+            out[n] = buf if torch.is_tensor(buf) else torch.zeros_like(self.params[n])
+        return out
+
     def _save_state(self) -> tuple[dict[torch.Tensor, dict[str, Any]], list[dict[str, Any]]]:
         """A copy of the optimizer's state (every parameter's, each tensor cloned) and of its
         groups' settings: what ``_load_state`` puts back if a step fails. (What a deepcopy of

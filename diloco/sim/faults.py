@@ -268,7 +268,7 @@ class _FaultyClient:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
-        if name in ("join", "wait_round", "pull_global", "heartbeat", "leave"):
+        if name in ("join", "wait_round", "pull_global", "pull_global_with_state", "heartbeat", "leave"):
             return self._guarded(attr)
         return attr
 

@@ -238,10 +238,21 @@ class OuterSync:
         return self.split[fragment_of_round(round, self.options.fragments)]
 
     def _pull_global(self) -> None:
-        status, chunks = self.client.pull_global(self.site_id, self._want)
+        """θ whole (this rank's slices); a site that looks ahead of the outer step pulls the
+        coordinator's momentum of the same round with it (none before the first outer step)."""
+        momentum: list = []
+        if self._looks_ahead:
+            status, chunks, momentum = self.client.pull_global_with_state(self.site_id, self._want)
+        else:
+            status, chunks = self.client.pull_global(self.site_id, self._want)
         assembler = assemble(chunks, self._assembler())
         self.global_params = HostMirror.keep(assembler.finish(), self._on_device)
         self.stats.bytes_down += assembler.payload_bytes
+        if momentum:
+            buffers = assemble(momentum, self._assembler())
+            self._eager().follow(buffers.finish())
+            self.stats.bytes_down += buffers.payload_bytes
+            self._log(f"site {self.site_id}: looks ahead from the coordinator's outer momentum after round {status.committed_rounds - 1} (pulled with θ)")
         self.round = status.committed_rounds
         self._load_global_into_model()
         self._start = self._host_copy_of_model() if self.options.start_point != "global" else None

@@ -167,14 +167,26 @@ class CoordinatorClient:
     def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
         """θ after the last committed round: the round status (its ``committed_rounds`` is
         the open round), then θ's chunks (with ``want``, only those overlapping the slices)."""
-        req = pb.PullRequest(site_id=site_id, want=serde.boxes_to_proto(want))
+        status, chunks, _ = self._pull_global(site_id, want, outer_state=False)
+        return status, chunks
+
+    def pull_global_with_state(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk], list[Chunk]]:
+        """``pull_global``, and the outer optimizer's momentum buffers of the same round."""
+        return self._pull_global(site_id, want, outer_state=True)
+
+    def _pull_global(self, site_id: str, want: Mapping[str, Box] | None, outer_state: bool) -> tuple[RoundStatus, list[Chunk], list[Chunk]]:
+        req = pb.PullRequest(site_id=site_id, want=serde.boxes_to_proto(want), outer_state=outer_state)
         try:
             messages = list(self._stub.PullGlobal(req, timeout=self.timeout_s, wait_for_ready=True, metadata=self._md))
         except grpc.RpcError as e:
             raise _remote(e) from None
-        if not messages or messages[0].WhichOneof("kind") != "status" or any(m.WhichOneof("kind") != "chunk" for m in messages[1:]):
-            raise RemoteError("internal", "PullGlobal must answer with the round status, then chunks")
-        return serde.status_from_proto(messages[0].status), [serde.chunk_from_proto(m.chunk) for m in messages[1:]]
+        kinds = [m.WhichOneof("kind") for m in messages]
+        body = kinds[1:]
+        n = body.count("chunk")
+        if not kinds or kinds[0] != "status" or body != ["chunk"] * n + ["momentum"] * (len(body) - n) or (not outer_state and n < len(body)):
+            raise RemoteError("internal", "PullGlobal must answer with the round status, then θ's chunks, then (asked for) the momentum's")
+        chunks = [serde.chunk_from_proto(m.chunk) for m in messages[1 : 1 + n]]
+        return serde.status_from_proto(messages[0].status), chunks, [serde.chunk_from_proto(m.momentum) for m in messages[1 + n :]]
 
     def _pull(self, rpc: grpc.UnaryStreamMultiCallable, req: pb.PullRequest) -> list[Chunk]:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from diloco.boxes import Box
@@ -76,8 +77,24 @@ def chunk_to_wire(c: Chunk) -> bytes:
 
 def global_chunk_to_wire(c: Chunk) -> bytes:
     """``pb.GlobalMessage(chunk=chunk_to_proto(c)).SerializeToString()``, faster."""
+    return _global_message(b"\x12", c)
+
+
+@dataclass(frozen=True)
+class MomentumChunk:
+    """A chunk of the outer optimizer's momentum in a PullGlobal answer (GlobalMessage.momentum)."""
+
+    chunk: Chunk
+
+
+def momentum_chunk_to_wire(m: MomentumChunk) -> bytes:
+    """``pb.GlobalMessage(momentum=chunk_to_proto(m.chunk)).SerializeToString()``, faster."""
+    return _global_message(b"\x1a", m.chunk)
+
+
+def _global_message(tag: bytes, c: Chunk) -> bytes:
     head, payload, tail = _chunk_fields(c)
-    return b"".join((b"\x12", _varint(len(head) + len(payload) + len(tail)), head, payload, tail))
+    return b"".join((tag, _varint(len(head) + len(payload) + len(tail)), head, payload, tail))
 
 
 # ---- pushed chunks straight from their wire bytes -------------------------------------------

@@ -140,12 +140,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalMessage]:
         with self._as(context, request.site_id):
+            want = serde.boxes_from_proto(request.want)
             try:
-                status, chunks = self._c.pull_global(request.site_id, serde.boxes_from_proto(request.want))
+                if request.outer_state:
+                    status, chunks, momentum = self._c.pull_global_with_state(request.site_id, want)
+                else:
+                    (status, chunks), momentum = self._c.pull_global(request.site_id, want), []
             except CoordinatorError as e:
                 _abort(context, e)
             yield pb.GlobalMessage(status=serde.status_to_proto(status))
             yield from self._send(context, chunks)
+            yield from self._send(context, (serde.MomentumChunk(c) for c in momentum))
 
     def _send(self, context: grpc.ServicerContext, messages: Iterator):
         """Yields ``messages``; a caller that stops reading for ``stream_idle_s`` is cancelled."""
@@ -176,7 +181,11 @@ def _serializer(to_wire: Callable[[Chunk], bytes]) -> Callable[[object], bytes]:
     (serde.chunk_to_wire: no protobuf message per chunk), a protobuf message as usual."""
 
     def serialize(message: object) -> bytes:
-        return to_wire(message) if isinstance(message, Chunk) else message.SerializeToString()  # type: ignore[attr-defined]
+        if isinstance(message, Chunk):
+            return to_wire(message)
+        if isinstance(message, serde.MomentumChunk):
+            return serde.momentum_chunk_to_wire(message)
+        return message.SerializeToString()  # type: ignore[attr-defined]
 
     return serialize
 

@@ -54,7 +54,7 @@ BASE = ["sites=3", "data.batch_size=4", "eval_every=100", "sim.timeout_s=240"]
 def streaming_kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # H=4, F=2, τ=1: 8 coordinator rounds of 2 steps, each one fragment, pushed without waiting,
     # then a flush round for fragment 0 (no steps); merge=ahead, whose look-ahead a restarted
-    # site rebuilds from nothing (only its start points differ, never θ).
+    # site takes up from the coordinator's momentum, pulled with θ when it joins again.
     events = _events(
         "{kind:kill_site,site:0,at_round:2,phase:inner,restart_after_s:0.5}",
         "{kind:kill_site,site:1,at_round:3,phase:push,restart_after_s:0.5}",
@@ -71,6 +71,8 @@ def test_streaming_through_kills_keeps_the_fault_matrix_invariants(streaming_kil
     assert set(summary["site_global_sha256"]) == {"0", "1", "2"}  # every site finished (was started again)
     assert [e["kind"] for e in summary["faults_injected"]] == ["kill_site", "kill_site", "kill_coordinator"]
     assert 0 < summary["goodput"] <= 1
+    # Site 0, killed in round 2 and started again, looks ahead from the coordinator's momentum.
+    assert "looks ahead from the coordinator's outer momentum after round" in (streaming_kills.run_dir / "logs" / "site0.1.log").read_text()
 
 
 def test_streaming_rounds_alternate_fragments_and_account_their_bytes(streaming_kills: Run) -> None:

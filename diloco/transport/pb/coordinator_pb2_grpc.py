@@ -122,7 +122,8 @@ class CoordinatorServicer:
 
     def PullGlobal(self, request, context):
         """The whole global parameters theta after the last committed round: the round status first
-        (its committed_rounds is the round the site trains next), then the chunks.
+        (its committed_rounds is the round the site trains next), then the chunks; with
+        outer_state, then the outer optimizer's momentum buffers of the same round.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
