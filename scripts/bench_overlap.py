@@ -37,6 +37,9 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=5 delta zstd": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec": "int8+zstd"},  # the same bits, entropy-coded
     "streaming F=5 τ=5 ahead zstd": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd"},
     "streaming F=5 τ=5 ahead": {"fragments": 5, "overlap_steps": 5, "merge": "ahead"},  # w = 0 (AHEAD_WEIGHT)
+    # A 4-bit downlink (with the coordinator's error feedback): half the pull's bytes.
+    "streaming F=5 τ=5 ahead int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4"},
+    "streaming F=5 τ=5 ahead zstd int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd", "codec_down": "int4+zstd"},
     "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
     "streaming F=5 τ=5 ahead w=0": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.0},
     "streaming F=5 τ=4 ahead": {"fragments": 5, "overlap_steps": 4, "merge": "ahead"},
@@ -93,8 +96,9 @@ def straggle_of(blocking: dict[str, Any], sync_every: int) -> tuple[float, float
 def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float, straggle: float = 0.0, straggle_s: float = 0.0) -> dict[str, Any]:
     """diloco-plan's prediction for the run, from its own measured step time and payload bits."""
     bits = 8 * r["bytes_up_per_push"] * extra.get("fragments", 1) / r["params"]
+    down_bits = 8 * r["bytes_down_per_pull"] * extra.get("fragments", 1) / r["params"] if r.get("bytes_down_per_pull") else None
     plan = Plan(
-        params=r["params"], step_s=r["step_s"], sync_every=base["sync_every"], bits=bits, fragments=extra.get("fragments", 1),
+        params=r["params"], step_s=r["step_s"], sync_every=base["sync_every"], bits=bits, down_bits=down_bits, fragments=extra.get("fragments", 1),
         overlap_steps=extra.get("overlap_steps", 0), outer_mode=extra.get("outer_mode", "blocking"), sites=base["sites"],
         bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle, straggle_s=straggle_s,
     )  # fmt: skip
