@@ -1,7 +1,8 @@
 """The coordinator: a façade over the round's parts. A site's session, its join, heartbeats
 and leave (sessions.py, over membership.py; θ₀ from a site: init_source.py), the pushes' way
 in (intake.py) and what to do with each (verdict.py), the open round (round_state.py), its
-commit (commit.py), what pullers get (downlink.py) and checkpoints.
+commit (commit.py), the pulls and waits (pulls.py) of what pullers get (downlink.py), and
+checkpoints.
 
 Threading: every public method may be called from any gRPC worker thread. One condition
 variable guards the state; decoding a push happens outside it (in a staging buffer from a
@@ -15,7 +16,6 @@ meanwhile; pushes for the closing round and pulls of θ wait for the publication
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
 import uuid
@@ -26,15 +26,14 @@ from typing import Any
 
 import torch
 
-from diloco.boxes import Box
 from diloco.checkpoint import save_checkpoint
-from diloco.codec import get_codec
 from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder, commit
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.headers import HeaderBounds
 from diloco.coordinator.intake import PushIntake
+from diloco.coordinator.pulls import Pulls
 from diloco.coordinator.init_source import InitElection
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
@@ -48,13 +47,11 @@ from diloco.outer import NormBound, OuterConfig, OuterOptimizer, averaged_from, 
 from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, RoundStatus, TensorSpec
-from diloco.wire import encode_chunks, fingerprint
+from diloco.wire import fingerprint
 
 _KEEP_RECORDS = 16
 _KEEP_TIMINGS = 4096  # commit_timings: the last rounds' (a few hundred bytes each)
 RESTART_GRACE_S = 10.0  # added to the restored members' first lease after a restart
-START_HOLD_S = 20.0  # the longest a first pull of θ is held at the start barrier; then: pull again
-GAVE_UP_POLL_S = 0.25  # how often a held wait looks whether its caller went away
 
 
 @dataclass
@@ -68,7 +65,7 @@ class _Commit:
     times: dict[str, Any]  # seconds of the commit's parts (Coordinator.commit_timings)
 
 
-class Coordinator(PushIntake, SiteSessions):
+class Coordinator(PushIntake, SiteSessions, Pulls):
     """Holds θ and the outer optimizer; runs rounds 0 .. total_rounds-1."""
 
     def __init__(
@@ -438,117 +435,6 @@ class Coordinator(PushIntake, SiteSessions):
             last = self._records.get(committed - 1)
             if last is not None:  # elapsed_s goes on from where the predecessor stopped
                 self._start = self._round.opened_at - float(last["elapsed_s"])
-
-    # ---- pulls -----------------------------------------------------------------------
-    def wait_round(self, site_id: str, round: int, timeout_s: float, gave_up: threading.Event | None = None) -> RoundStatus:
-        """Blocks until ``round`` is committed, ``timeout_s`` passes or ``gave_up`` is set (the
-        caller went away: its call was cancelled); returns the status."""
-        if not 0 <= round < self.cfg.total_rounds:
-            raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
-        with self._cv:
-            self._require_member(site_id)
-            self._require_ready()
-            self._wait_commit(round, timeout_s, gave_up)
-            self._require_healthy()
-            return self._status()
-
-    def pull_update(
-        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0, gave_up: threading.Event | None = None
-    ) -> list[Chunk] | None:
-        """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
-        the chunks that hold rows of those slices (what one rank of a sharded site needs). With
-        ``wait_s`` > 0 it first waits that long for the round's commit, or until ``gave_up`` is
-        set, and returns None if the round is still open then (``wait_round`` and the pull in
-        one call)."""
-        with self._cv:
-            self._require_member(site_id)
-            self._require_ready()
-            self._downlink.check_want(want)
-            if wait_s > 0:
-                if not 0 <= round < self.cfg.total_rounds:
-                    raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
-                self._wait_commit(round, wait_s, gave_up)
-                self._require_healthy()
-                if round >= self._open:
-                    return None
-                self._require_member(site_id)  # it may have been dropped while it waited
-            if round >= self._open:
-                raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
-            return self._downlink.update(round, want)
-
-    def _wait_commit(self, round: int, timeout_s: float, gave_up: threading.Event | None) -> None:
-        """Waits (holding ``_cv``) until ``round`` commits, the run fails, ``timeout_s`` passes
-        or ``gave_up`` is set. A commit wakes the wait at once; ``gave_up`` is looked at every
-        ``GAVE_UP_POLL_S``, so that a cancelled call's thread is free within that."""
-        done = lambda: self._open > round or self.failed is not None  # noqa: E731
-        if gave_up is None:
-            self._cv.wait_for(done, timeout=max(0.0, timeout_s))
-            return
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while not done() and not gave_up.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._cv.wait(min(left, GAVE_UP_POLL_S))
-
-    def pull_global(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk]]:
-        """θ after the last committed round, float32, with the round status it belongs to (with
-        ``want``: only the chunks that hold rows of those slices)."""
-        status, chunks, _ = self._pull_global(site_id, want, outer_state=False)
-        return status, chunks
-
-    def pull_global_with_state(self, site_id: str, want: Mapping[str, Box] | None = None) -> tuple[RoundStatus, list[Chunk], list[Chunk]]:
-        """``pull_global``'s θ and, of the same round, the outer optimizer's momentum buffers
-        (float32, zeros where it keeps none yet; none at all before the first round commits):
-        what a site that looks ahead of the outer step (eager, merge=ahead) follows. An outer
-        step it cannot follow (not SGD) is refused with failed_precondition."""
-        return self._pull_global(site_id, want, outer_state=True)
-
-    def _pull_global(self, site_id: str, want: Mapping[str, Box] | None, outer_state: bool) -> tuple[RoundStatus, list[Chunk], list[Chunk]]:
-        with self._cv:
-            self._require_member(site_id)
-            self._require_ready()
-            self._downlink.check_want(want)
-            if outer_state and self._outer.cfg.name != "SGD":
-                raise CoordinatorError("failed_precondition", f"the outer step is {self._outer.cfg.name}, not SGD: it keeps no momentum buffer a look-ahead follows")
-            self._await_start(site_id)
-            self._wait_published()
-            open_round = self._open
-
-            def encode(tensors: Callable[[], Mapping[str, torch.Tensor]]) -> Callable[[], list[Chunk]]:
-                return lambda: list(encode_chunks(tensors(), codec=get_codec("fp32"), chunk_bytes=self.cfg.chunk_bytes))
-
-            chunks = self._downlink.global_params(open_round, encode(lambda: self._outer.params), want)
-            # Before the first outer step there is no momentum to follow: none is sent.
-            momentum = self._downlink.outer_state(open_round, encode(self._outer.momentum_buffers), want) if outer_state and open_round > 0 else []
-            return self._status(), chunks, momentum
-
-    def _await_start(self, site_id: str) -> None:
-        """Under the lock: a fresh run's first pulls of θ wait at the start barrier
-        (diloco.coordinator.start_barrier), each call ``START_HOLD_S`` at most; the one that
-        opens it opens round 0 then, for every site at once."""
-        barrier = self._barrier
-        if barrier.open:
-            return
-        if self._open > 0:
-            barrier.open = True
-            return
-        now = self._clock()
-        barrier.arrive(site_id, now)
-        give_up = now + START_HOLD_S
-        while not barrier.open:
-            if barrier.release(now):
-                if not self._round.pushed_at:
-                    self._round.opened_at = now
-                self._cv.notify_all()
-                break
-            if now >= give_up:
-                raise CoordinatorError("unavailable", f"the run starts when every site has pulled θ₀: {barrier.waiting_for()}; pull again shortly")
-            self._cv.wait(timeout=max(0.0, min(0.5, give_up - now, barrier.opens_at - now)))
-            self._require_healthy()
-            with contextlib.suppress(KeyError):  # waiting here is a sign of life
-                self._members.renew(site_id)
-            now = self._clock()
 
     def late_pushes(self, round: int) -> list[dict[str, Any]]:
         """Pushes ({"site", "round"}) that arrived while ``round`` was open, for rounds committed

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from diloco.coordinator import Coordinator, CoordinatorConfig, service
+from diloco.coordinator import Coordinator, CoordinatorConfig, pulls
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.coordinator.start_barrier import StartBarrier
 from diloco.outer import OuterConfig
@@ -85,7 +85,7 @@ def test_a_site_that_never_comes_holds_the_others_only_start_wait_s() -> None:
 
 
 def test_a_pull_held_longer_than_the_hold_is_told_to_pull_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service, "START_HOLD_S", 0.3)
+    monkeypatch.setattr(pulls, "START_HOLD_S", 0.3)
     for _, client in _served(min_sites=1, sites=("a", "b"), quorum=QuorumConfig(start_wait_s=30)):
         _join(client, "a")
         with pytest.raises(RemoteError) as info:
