@@ -57,6 +57,7 @@ class JoinRequest:
     sync_every: int = 0
     codec: str = ""
     fragments: int = 0  # streaming: the site's F
+    fragment_split: str = ""  # streaming: how the site splits its parameters (diloco.outer.fragments.SPLITS); "": not said
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=5 ahead": {"fragments": 5, "overlap_steps": 5, "merge": "ahead"},  # w = 0 (AHEAD_WEIGHT)
     # A 4-bit downlink (with the coordinator's error feedback): half the pull's bytes.
     "streaming F=5 τ=5 ahead int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4"},
+    # Fragments of equal sizes (8 layers in 5 strided fragments: three of 1.58M elements, two of 0.8M).
+    "streaming F=5 τ=5 ahead balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "fragment_split": "balanced"},
+    "streaming F=5 τ=5 ahead int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4", "fragment_split": "balanced"},
+    "streaming F=5 τ=0 balanced": {"fragments": 5, "fragment_split": "balanced"},
     "streaming F=5 τ=5 ahead zstd int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd", "codec_down": "int4+zstd"},
     "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
     "streaming F=5 τ=5 ahead w=0": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.0},

@@ -17,6 +17,7 @@ from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
 from diloco.outer import OuterConfig, RobustConfig, check_aggregate
 from diloco.outer.defaults import applies, auto_outer
 from diloco.outer.eager import AHEAD_WEIGHT, EAGER_WEIGHT, check_eager_outer
+from diloco.outer.fragments import check_split
 from diloco.observe.logs import LoggingConfig
 from diloco.observe.config import TensorBoardConfig
 from diloco.security.config import SecurityConfig
@@ -98,6 +99,7 @@ class RunConfig:
     overlap_steps: int = 0  # τ: the site trains τ steps while a round is in flight, then merges it (τ < H/F)
     alpha: float | None = None  # the merge: local ← α·local + (1−α)·θ; None: 0.5 with overlap (Streaming DiLoCo's), else 0 (replace)
     merge: str = "alpha"  # alpha (the merge above) | delta: θ + the local steps trained since the push (docs/streaming.md)
+    fragment_split: str = "strided"  # strided (whole layers, layer i in fragment i mod F) | balanced (equal sizes, tensors of every layer)
     fragment_end: str = "flush"  # flush (F − 1 flush rounds after the last step) | freeze (each fragment stops at its last push)
     # The H of the first rounds, growing to sync_every (e.g. [10, 25, 50] with sync_every=50):
     # frequent syncs early; every site follows it by round number (blocking DiLoCo only).
@@ -177,6 +179,9 @@ class RunConfig:
             )
         if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
             raise ConfigError(f"alpha={self.alpha!r}: must be a number in [0, 1] (0: a landed fragment replaces the local one)")
+        why = check_split(self.fragment_split)
+        if why is not None:
+            raise ConfigError(why)
         if self.eager_weight is not None and (isinstance(self.eager_weight, bool) or not (isinstance(self.eager_weight, (int, float)) and 0.0 <= self.eager_weight <= 1.0)):
             raise ConfigError(f"eager_weight={self.eager_weight!r}: must be null (eager 0.5, ahead 0) or a number in [0, 1]")
 

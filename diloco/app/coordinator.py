@@ -30,6 +30,7 @@ from diloco.observe.config import MetricsConfig
 from diloco.observe.coordinator_observer import CoordinatorObserver
 from diloco.observe.logs import log_at
 from diloco.observe.status_page import StatusConfig, StatusPage, serve_status_page
+from diloco.outer.fragments import describe
 from diloco.site.inner import evaluate_loss
 from diloco.security.store import RunCredentials
 from diloco.transport import ServerLimits, serve
@@ -145,6 +146,7 @@ def _serve_run(
         port=port,
         peak_rss_mb=peak_rss_mb(),
         refused_pushes=coordinator.refusals() or None,
+        fragments=describe(coordinator.fragments, {n: s.shape for n, s in coordinator.specs.items()}) if cfg.fragments > 1 and coordinator.ready else None,
     )
     records.write(run_dir / "global.json", result)
     log(f"coordinator done: {result.rounds_committed} rounds, global sha256 {result.global_sha256[:16]}")
@@ -169,6 +171,7 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
         init_source=init_source,
         site_eval_every=cfg.eval_every * cfg.fragments if not evaluates and cfg.eval_by != "coordinator" else 0,
         fragments=cfg.fragments,
+        fragment_split=cfg.fragment_split,
         flush_rounds=cfg.sync_rounds - cfg.rounds * cfg.fragments,
         frozen_end=cfg.fragments > 1 and cfg.fragment_end == "freeze",
         guard=cfg.guard,
@@ -180,7 +183,7 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
 
 
 def _fragments(cfg: RunConfig) -> str:
-    return f" ({cfg.rounds} x {cfg.fragments} fragments, one every {cfg.schedule.round_steps} steps)" if cfg.fragments > 1 else ""
+    return f" ({cfg.rounds} x {cfg.fragments} fragments split {cfg.fragment_split}, one every {cfg.schedule.round_steps} steps)" if cfg.fragments > 1 else ""
 
 
 def _issued_sites(cfg: RunConfig) -> tuple[str, ...] | None:

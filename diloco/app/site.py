@@ -180,7 +180,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
             client = hooks.wrap(real_client) if hooks else real_client
             options = SyncOptions(
                 codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
-                fragments=cfg.fragments, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
+                fragments=cfg.fragments, fragment_split=cfg.fragment_split, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
                 streams=cfg.streams,
                 outer=cfg.outer if cfg.outer_mode == "eager" or cfg.merge == "ahead" else None, eager_weight=cfg.lookahead_weight,
             )  # fmt: skip

@@ -9,6 +9,7 @@ from diloco.codec import CodecConfig, codec_config
 from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig, RoundPolicy
 from diloco.outer import RobustConfig, check_aggregate
+from diloco.outer.fragments import check_split
 from diloco.security.ids import check_site_id
 from diloco.wire import MAX_CHUNK_BYTES
 
@@ -37,6 +38,7 @@ class CoordinatorConfig:
     max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
     staging_timeout_s: float = 30.0  # a push waits this long for a staging buffer, then is told to retry (resource_exhausted)
     fragments: int = 1  # streaming DiLoCo: round r syncs fragment r mod F of the parameters (diloco.outer.fragments)
+    fragment_split: str = "strided"  # how the parameters split into fragments: strided (whole layers) | balanced (equal sizes)
     # The last this many rounds are streaming's flush rounds (F − 1 with fragments): they average
     # the sites' last partial phases into θ without the outer step (OuterOptimizer.average_from).
     flush_rounds: int = 0
@@ -66,6 +68,9 @@ class CoordinatorConfig:
             raise ValueError(f"max_sites={self.max_sites!r}: must be null or an integer >= 1")
         if isinstance(self.fragments, bool) or not (isinstance(self.fragments, int) and self.fragments >= 1):
             raise ValueError(f"fragments={self.fragments!r}: must be an integer >= 1")
+        why = check_split(self.fragment_split)
+        if why is not None:
+            raise ValueError(why)
         if isinstance(self.flush_rounds, bool) or not (isinstance(self.flush_rounds, int) and 0 <= self.flush_rounds < self.total_rounds):
             raise ValueError(f"flush_rounds={self.flush_rounds!r}: must be an integer in 0..total_rounds-1 ({self.total_rounds - 1})")
         if not isinstance(self.frozen_end, bool) or (self.frozen_end and (self.fragments == 1 or self.flush_rounds)):

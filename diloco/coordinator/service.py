@@ -126,7 +126,7 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._encoder = UpdateEncoder.of(self.cfg.codec_down.build(), self._specs, self.cfg.chunk_bytes, self.cfg.error_feedback_down)
         self._downlink = Downlink(self._specs, self.cfg.keep_updates, self.cfg.bundle_bytes)
-        self._split = split_fragments(self._shapes, self.cfg.fragments)  # ValueError: more fragments than layers
+        self._split = split_fragments(self._shapes, self.cfg.fragments, self.cfg.fragment_split)  # ValueError: more fragments than layers
         self._round = self._open_round(self._open, self._clock())
         self._hash = params_sha256(self._outer.params)
         self.init_from = source

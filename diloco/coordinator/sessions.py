@@ -55,14 +55,14 @@ class SiteSessions:
     _install: Callable[[Mapping[str, torch.Tensor], str], None]
     _checkpoint_state: Callable[..., dict[str, Any]]
 
-    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0) -> JoinInfo:
+    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0, fragment_split: str = "") -> JoinInfo:
         """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
         first site that can upload becomes its source (``JoinInfo.upload_init``); the others
         wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
         why = site_id_problem(site_id)
         if why is not None:
             raise CoordinatorError("invalid_argument", why)
-        self._check_settings(site_id, sync_every, codec, fragments)
+        self._check_settings(site_id, sync_every, codec, fragments, fragment_split)
         specs = list(specs)
         with self._cv:
             self._require_healthy()
@@ -110,10 +110,12 @@ class SiteSessions:
             total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.quorum.lease_s, upload_init=upload_init, eval_every=self.cfg.site_eval_every
         )
 
-    def _check_settings(self, site_id: str, sync_every: int, codec: str, fragments: int = 0) -> None:
-        """A site that says its H, its number of fragments or its uplink codec must say the coordinator's."""
+    def _check_settings(self, site_id: str, sync_every: int, codec: str, fragments: int = 0, fragment_split: str = "") -> None:
+        """A site that says its H, its fragments (their number and split) or its uplink codec must say the coordinator's."""
         if fragments and fragments != self.cfg.fragments:
             raise CoordinatorError("invalid_argument", f"site {site_id!r} has fragments={fragments}, this run has fragments={self.cfg.fragments}: use the run's value")
+        if fragment_split and self.cfg.fragments > 1 and fragment_split != self.cfg.fragment_split:
+            raise CoordinatorError("invalid_argument", f"site {site_id!r} has fragment_split={fragment_split}, this run has fragment_split={self.cfg.fragment_split}: use the run's value")
         if sync_every and self.cfg.sync_every is not None and sync_every != self.cfg.sync_every:
             raise CoordinatorError(
                 "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"

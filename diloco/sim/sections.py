@@ -91,7 +91,7 @@ def check_before_start(cfg: RunConfig) -> None:
         if cfg.init.source == "file" or not is_builtin(cfg.model) or cfg.fragments > 1:
             model = build_model(cfg.model, cfg.seed)
             if cfg.fragments > 1:
-                split_fragments({n: p.shape for n, p in model.named_parameters()}, cfg.fragments)
+                split_fragments({n: p.shape for n, p in model.named_parameters()}, cfg.fragments, cfg.fragment_split)
             if cfg.init.source == "file":
                 problems = mismatches(fingerprint(load_init_file(str(cfg.init.path))), fingerprint(dict(model.named_parameters())).values())
                 if problems:

@@ -46,6 +46,7 @@ class SyncOptions:
     sync_every: int = 0  # told to the coordinator at Join (0: not said), which refuses another H
     timeouts: Timeouts = field(default_factory=Timeouts)
     fragments: int = 1  # streaming: round r syncs fragment r mod F (told at Join; the coordinator refuses another F)
+    fragment_split: str = "strided"  # how the parameters split into fragments (diloco.outer.fragments.SPLITS; told at Join too)
     alpha: float = 0.0  # a landed fragment is merged into the model as α·local + (1−α)·global (0: replaced)
     # "alpha": the merge above; "delta": θ + the local steps taken since the push (local −
     # local at the push), so the overlapped steps are neither lost nor counted twice; "ahead":
@@ -152,7 +153,7 @@ class OuterSync:
         self.eval_every = 0  # evaluation by sites: the coordinator's JoinInfo.eval_every
         self._eval: SiteEval | None = None  # an evaluation to report with the next push (or leave)
         self.uploaded_init = False  # this site sent θ₀ (init=site)
-        self.split = split_fragments({n: s.shape for n, s in self._specs.items()}, opts.fragments)
+        self.split = split_fragments({n: s.shape for n, s in self._specs.items()}, opts.fragments, opts.fragment_split)
         self._start: dict[str, torch.Tensor] | None = None  # the inner phase's start point (start_point delayed/eager)
         self._lookahead: EagerStart | None = None  # eager: the outer step in flight, looked ahead
 
@@ -194,8 +195,9 @@ class OuterSync:
 
         def join() -> JoinInfo:
             return self.client.join(
-                self.site_id, self._specs.values(), can_upload=can_upload, sync_every=self.options.sync_every, codec=self.codec.name, fragments=self.options.fragments
-            )
+                self.site_id, self._specs.values(), can_upload=can_upload, sync_every=self.options.sync_every, codec=self.codec.name, fragments=self.options.fragments,
+                fragment_split=self.options.fragment_split if self.options.fragments > 1 else "",
+            )  # fmt: skip
 
         return retrying(join, limit_s=max(t.reconnect_timeout_s, t.round_timeout_s), what=f"site {self.site_id} join", log=self._log)
 

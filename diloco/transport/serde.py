@@ -211,11 +211,11 @@ def header_from_proto(m: pb.PushHeader) -> PushHeader:
 
 
 def join_request_to_proto(j: JoinRequest) -> pb.JoinRequest:
-    return pb.JoinRequest(site_id=j.site_id, params=[spec_to_proto(s) for s in j.specs], can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments)
+    return pb.JoinRequest(site_id=j.site_id, params=[spec_to_proto(s) for s in j.specs], can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments, fragment_split=j.fragment_split)
 
 
 def join_request_from_proto(m: pb.JoinRequest) -> JoinRequest:
-    return JoinRequest(site_id=m.site_id, specs=tuple(spec_from_proto(s) for s in m.params), can_upload=m.can_upload, sync_every=m.sync_every, codec=m.codec, fragments=m.fragments)
+    return JoinRequest(site_id=m.site_id, specs=tuple(spec_from_proto(s) for s in m.params), can_upload=m.can_upload, sync_every=m.sync_every, codec=m.codec, fragments=m.fragments, fragment_split=m.fragment_split)
 
 
 def boxes_to_proto(want: Mapping[str, Box] | None) -> list[pb.TensorBox]:

@@ -74,7 +74,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         with self._as(context, request.site_id):
             try:
                 j = serde.join_request_from_proto(request)
-                info = self._c.join(j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments)
+                info = self._c.join(j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments, fragment_split=j.fragment_split)
             except CoordinatorError as e:
                 _abort(context, e)
         return serde.join_info_to_proto(info)

@@ -115,13 +115,16 @@ def test_eager_and_delayed_runs_survive_a_coordinator_restart(tmp_path: Path, mo
 
 def test_streaming_with_striping_through_emulated_links(tmp_path: Path) -> None:
     """2 sites through the WAN emulator (50 Mbit/s, 20 ms each; a shared coordinator link),
-    2 fragments with overlap, each push and pull over 2 connections, TLS on every one."""
+    2 fragments of equal sizes with overlap, each push and pull over 2 connections, TLS on every one."""
     run = run_ok(
-        tmp_path / "run", "sites=2", "sync_every=4", "rounds=2", "fragments=2", "overlap_steps=1", "streams=2", "eval_every=100",
+        tmp_path / "run", "sites=2", "sync_every=4", "rounds=2", "fragments=2", "fragment_split=balanced", "overlap_steps=1", "streams=2", "eval_every=100",
         "wan.bandwidth_mbit=50", "wan.rtt_ms=20", "wan.coordinator={bandwidth_mbit:80}", timeout=200,
     )  # fmt: skip
     summary = run.summary
     assert summary["hashes_equal"] and summary["rounds_committed"] == 5  # 2 x 2 fragments, 1 flush round
+    split = run.json("global.json")["fragments"]  # recorded: each fragment's names and size, within the largest tensor
+    assert [f["fragment"] for f in split] == [0, 1] and abs(split[0]["numel"] - split[1]["numel"]) <= 256 * 64
+    assert "fragments split balanced" in (run.run_dir / "logs" / "coordinator.log").read_text()
     assert summary["wan"]["sites"]["0"] == {"up_mbit": 50.0, "down_mbit": 50.0, "rtt_ms": 20.0, "jitter_ms": 0.0, "window_kb": None}
     assert summary["wan"]["coordinator"]["down_mbit"] == 80.0
     stats = run.json("wan/stats.json")

@@ -296,6 +296,8 @@ def test_a_site_with_another_number_of_fragments_is_refused_at_join(site_factory
     site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
     with pytest.raises(RemoteError, match="fragments=1, this run has fragments=2"):
         site.client.join("0", site.sync.layout.specs.values(), fragments=1)
+    with pytest.raises(RemoteError, match="fragment_split=balanced, this run has fragment_split=strided: use the run's value"):
+        site.client.join("0", site.sync.layout.specs.values(), fragments=2, fragment_split="balanced")
 
 
 def test_a_diverged_blocking_round_is_withheld_and_the_site_goes_on_from_theta_by_hand(site_factory) -> None:

@@ -4,6 +4,7 @@ the run config refusing what streaming, overlap and eager cannot do, naming the 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diloco.app.config import ConfigError, run_config_from_dict
 from diloco.model import build_model, model_config
@@ -48,6 +49,36 @@ def test_one_fragment_is_every_name_and_round_r_syncs_r_mod_f() -> None:
 def test_bad_fragment_counts_are_refused(fragments: object, why: str) -> None:
     with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
         split_fragments(_shapes(), fragments)  # type: ignore[arg-type]
+
+
+def test_balanced_fragments_are_equal_where_the_strided_ones_are_not() -> None:
+    """8 layers in 5 fragments: strided gives three fragments of two layers and two of one;
+    balanced gives each ~1/5 of the elements, within the largest tensor, from every layer."""
+    shapes = _shapes("small")
+    numel = {n: int(torch.tensor(s).prod()) for n, s in shapes.items()}
+    strided = [d["numel"] for d in describe(split_fragments(shapes, 5), shapes)]
+    assert strided == [1582080, 1582080, 1582080, 856576, 791296]
+    split = split_fragments(shapes, 5, "balanced")
+    sizes = [d["numel"] for d in describe(split, shapes)]
+    assert sorted(n for part in split for n in part) == sorted(shapes)  # every name once
+    assert sum(sizes) == sum(numel.values()) and max(sizes) - min(sizes) <= max(numel.values())
+    assert max(sizes) / min(sizes) < 1.02
+    assert all(len({layer_of(n) for n in part} - {None}) >= 6 for part in split)  # tensors of most layers
+    assert split == split_fragments(dict(reversed(list(shapes.items()))), 5, "balanced")  # the order of the names does not matter
+
+
+def test_balanced_fragments_by_hand() -> None:
+    # largest first, each to the smallest fragment (ties: the lower fragment, then the layer order)
+    shapes = {"blocks.0.a": (6,), "blocks.0.b": (5,), "blocks.1.a": (4,), "blocks.1.b": (3,), "emb": (2,)}
+    assert split_fragments(shapes, 2, "balanced") == (("blocks.0.a", "blocks.1.b", "emb"), ("blocks.0.b", "blocks.1.a"))
+    assert split_fragments(shapes, 1, "balanced") == (tuple(sorted(shapes)),)
+
+
+@pytest.mark.parametrize("fragments, how, why", [(6, "balanced", "fragments=6: the model has only 5 tensor(s)"), (2, "random", "fragment_split='random': must be one of strided, balanced")])
+def test_bad_balanced_splits_are_refused(fragments: int, how: str, why: str) -> None:
+    shapes = {"blocks.0.a": (6,), "blocks.0.b": (5,), "blocks.1.a": (4,), "blocks.1.b": (3,), "emb": (2,)}
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        split_fragments(shapes, fragments, how)
 
 
 @pytest.mark.parametrize(
@@ -96,6 +127,7 @@ def test_the_schedule_of_each_mode() -> None:
         ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
         ({"fragments": 2, "guard": {"factor": 3}}, "fragments=2 cannot be combined with guard.factor"),
         ({"fragments": 2, "fragment_end": "drop"}, "fragment_end='drop': must be one of flush, freeze"),
+        ({"fragments": 2, "fragment_split": "layers"}, "fragment_split='layers': must be one of strided, balanced"),
         ({"fragment_end": "freeze"}, "fragment_end=freeze stops each fragment at its last push: it needs fragments > 1"),
     ],
 )
