@@ -66,6 +66,11 @@ def _workers(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
 
 
+def _global(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "global.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path, timeout_s: float = 3600.0) -> dict[str, Any]:
     cfg = run_config_from_dict({**base, **extra})
     t = time.monotonic()
@@ -85,6 +90,7 @@ def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path
         "bytes_up_per_push": s["bytes_up"] / pushes,
         "bytes_down_per_pull": sum(sum(b["down"] for b in (w.get("fragment_bytes") or {}).values()) for w in workers) / pushes if cfg.fragments > 1 else None,
         "sync_s_median": [w["sync_s_median_per_rank"][0] for w in workers],
+        "commit_s_median": _global(run_dir).get("commit_s_median"),
         "params": s["params"],
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 import traceback
@@ -146,6 +147,7 @@ def _serve_run(
         port=port,
         peak_rss_mb=peak_rss_mb(),
         refused_pushes=coordinator.refusals() or None,
+        commit_s_median=_median_parts(coordinator.commit_timings()),
         fragments=describe(coordinator.fragments, {n: s.shape for n, s in coordinator.specs.items()}) if cfg.fragments > 1 and coordinator.ready else None,
     )
     records.write(run_dir / "global.json", result)
@@ -180,6 +182,15 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
         max_sites=cfg.sites,
         max_tokens_per_push=opts.max_tokens_per_push,
     )
+
+
+_COMMIT_PARTS = ("receive_s", "lock_s", "commit_s", "mean_s", "step_s", "encode_s", "record_s", "checkpoint_s", "publish_s")
+
+
+def _median_parts(timings: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The median of each part over the commits that measured it (None: no commit)."""
+    out = {k: round(statistics.median(t[k] for t in timings if k in t), 5) for k in _COMMIT_PARTS if any(k in t for t in timings)}
+    return out or None
 
 
 def _fragments(cfg: RunConfig) -> str:

@@ -115,6 +115,11 @@ class GlobalRecord:
     site_reported_sha256: dict[str, str] | None = _f("site -> the θ hash it reported when it left", optional=True)
     port: int | None = _f("the port the coordinator listened on", optional=True)
     refused_pushes: dict[str, int] | None = _f("site -> its pushes the norm bound refused over the run (robust.norm_ratio)", optional=True)
+    commit_s_median: dict[str, float] | None = _f(
+        "seconds of each part of a commit, the median over the run's (Coordinator.commit_timings): receive_s (the closing push's receive and decode), "
+        "lock_s, commit_s (mean_s, step_s with encode_s, record_s), checkpoint_s (made durable), publish_s",
+        optional=True,
+    )
     fragments: list[dict[str, Any]] | None = _f("fragments=F: the split (fragment_split), per fragment {fragment, numel, names}", optional=True)
 
 

@@ -124,6 +124,9 @@ def test_streaming_with_striping_through_emulated_links(tmp_path: Path) -> None:
     assert summary["hashes_equal"] and summary["rounds_committed"] == 5  # 2 x 2 fragments, 1 flush round
     split = run.json("global.json")["fragments"]  # recorded: each fragment's names and size, within the largest tensor
     assert [f["fragment"] for f in split] == [0, 1] and abs(split[0]["numel"] - split[1]["numel"]) <= 256 * 64
+    parts = run.json("global.json")["commit_s_median"]  # where a commit's time went, median over the run's
+    assert {"receive_s", "commit_s", "encode_s", "checkpoint_s", "publish_s"} <= set(parts) and all(v >= 0 for v in parts.values())
+    assert parts["checkpoint_s"] > 0  # the sim's coordinator makes every commit durable
     assert "fragments split balanced" in (run.run_dir / "logs" / "coordinator.log").read_text()
     assert summary["wan"]["sites"]["0"] == {"up_mbit": 50.0, "down_mbit": 50.0, "rtt_ms": 20.0, "jitter_ms": 0.0, "window_kb": None}
     assert summary["wan"]["coordinator"]["down_mbit"] == 80.0
