@@ -39,6 +39,7 @@ class Pulls:
     failed: str | None
     _cv: threading.Condition
     _open: int
+    _streamed: int | None
     _round: RoundState
     _outer: OuterOptimizer
     _downlink: Downlink
@@ -64,34 +65,53 @@ class Pulls:
             return self._status()
 
     def pull_update(
-        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0, gave_up: threading.Event | None = None
+        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, wait_s: float = 0.0, gave_up: threading.Event | None = None, early: bool = False
     ) -> list[Chunk] | None:
         """The encoded update of committed round ``round``; with ``want`` (name -> slice), only
         the chunks that hold rows of those slices (what one rank of a sharded site needs). With
         ``wait_s`` > 0 it first waits that long for the round's commit, or until ``gave_up`` is
         set, and returns None if the round is still open then (``wait_round`` and the pull in
-        one call)."""
+        one call). ``early`` (with ``wait_s``): the update as soon as it is computed, while its
+        checkpoint is still being written; the caller must not hand it on before
+        ``wait_durable(round)`` has returned (the gRPC server ends the stream only then)."""
         with self._cv:
             self._require_member(site_id)
             self._require_ready()
             self._downlink.check_want(want)
+            early = early and wait_s > 0
             if wait_s > 0:
                 if not 0 <= round < self.cfg.total_rounds:
                     raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
-                self._wait_commit(round, wait_s, gave_up)
+                self._wait_commit(round, wait_s, gave_up, early)
                 self._require_healthy()
-                if round >= self._open:
+                if not self._servable(round, early):
                     return None
                 self._require_member(site_id)  # it may have been dropped while it waited
-            if round >= self._open:
+            if not self._servable(round, early):
                 raise CoordinatorError("failed_precondition", f"round {round} is not committed yet (committed rounds: {self._open})")
             return self._downlink.update(round, want)
 
-    def _wait_commit(self, round: int, timeout_s: float, gave_up: threading.Event | None) -> None:
-        """Waits (holding ``_cv``) until ``round`` commits, the run fails, ``timeout_s`` passes
-        or ``gave_up`` is set. A commit wakes the wait at once; ``gave_up`` is looked at every
-        ``GAVE_UP_POLL_S``, so that a cancelled call's thread is free within that."""
-        done = lambda: self._open > round or self.failed is not None  # noqa: E731
+    def wait_durable(self, round: int, gave_up: threading.Event | None = None) -> bool:
+        """Blocks until round ``round``'s commit is durable (its checkpoint written): True; False
+        if ``gave_up`` was set first. Raises unavailable if the coordinator failed (its
+        checkpoint could not be written: the round never happened)."""
+        with self._cv:
+            while self._open <= round and self.failed is None:
+                if gave_up is not None and gave_up.is_set():
+                    return False
+                self._cv.wait(GAVE_UP_POLL_S)
+            self._require_healthy()
+            return True
+
+    def _servable(self, round: int, early: bool) -> bool:
+        return round < self._open or (early and self._streamed == round)
+
+    def _wait_commit(self, round: int, timeout_s: float, gave_up: threading.Event | None, early: bool = False) -> None:
+        """Waits (holding ``_cv``) until ``round`` commits (``early``: until its update is
+        computed), the run fails, ``timeout_s`` passes or ``gave_up`` is set. A commit wakes
+        the wait at once; ``gave_up`` is looked at every ``GAVE_UP_POLL_S``, so that a
+        cancelled call's thread is free within that."""
+        done = lambda: self._servable(round, early) or self.failed is not None  # noqa: E731
         if gave_up is None:
             self._cv.wait_for(done, timeout=max(0.0, timeout_s))
             return

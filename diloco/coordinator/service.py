@@ -93,6 +93,9 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
         self._left: dict[str, str] = {}  # site id -> the hash it reported when leaving
         self._open = 0  # the open round = the number of committed (published) rounds
         self._committing = False  # a commit is being made durable; not published yet
+        # The round being made durable, whose update a held pull may already stream: the pull's
+        # stream ends (and the site applies the update) only once the round is durable.
+        self._streamed: int | None = None
         self._participants: dict[int, list[str]] = {}
         self._ready = False  # θ₀ is set
         self._specs: dict[str, TensorSpec] = {}
@@ -351,11 +354,15 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
             return None
         record = pending.record
         t0 = time.perf_counter()
-        # The update is bundled for serving on another thread while the checkpoint is written
-        # (its sync leaves the GIL and a core free).
-        served: list[Any] = []
-        helper = threading.Thread(target=lambda: served.append(self._downlink.prepare(pending.update)), name="bundle-update", daemon=True)
-        helper.start()
+        # The update goes down while the checkpoint is written: pulls held for this round
+        # stream it now and end once the round is durable (pulls.Pulls.wait_durable), so the
+        # checkpoint's time overlaps the transfer instead of coming before it.
+        served = self._downlink.prepare(pending.update)
+        with self._cv:
+            self._downlink.put_update(record.round, served)
+            self._streamed = record.round
+            self._cv.notify_all()
+        t_served = time.perf_counter()
         if pending.checkpoint is not None:
             # If this raises, θ has moved but the round cannot be published durably: the
             # coordinator stays "committing" (it never takes the round's pushes twice) and its
@@ -365,19 +372,18 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
             except Exception as e:
                 self._fail(f"the checkpoint of round {record.round}", e)
                 raise CoordinatorError("unavailable", f"round {record.round} could not be made durable; the coordinator must restart") from None
-        helper.join()
         t1 = time.perf_counter()
         with self._cv:
-            self._downlink.put_update(record.round, served[0] if served else pending.update)
             self._hash = record.global_sha256
             self._open = record.round + 1
             self._committing = False
+            self._streamed = None
             # Parts of pushes for rounds that can no longer be taken (refused, or too late to merge).
             stale = self.cfg.quorum.max_staleness if self.cfg.quorum.late == "merge" else 0
             self._parts.prune(lambda rnd: self._open - rnd <= stale)
             self._round = self._open_round(self._open, pending.closed_at)
             self._cv.notify_all()
-            self._timings.append({**pending.times, "checkpoint_s": t1 - t0, "publish_s": time.perf_counter() - t1, "published_at": time.monotonic()})
+            self._timings.append({**pending.times, "serve_s": t_served - t0, "checkpoint_s": t1 - t_served, "publish_s": time.perf_counter() - t1, "published_at": time.monotonic()})
         for listener in self.on_commit:
             listener(record)
         return record

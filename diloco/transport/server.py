@@ -127,8 +127,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def PullUpdate(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
         with self._as(context, request.site_id):
             wait_s = min(max(request.wait_s, 0.0), 60.0) if math.isfinite(request.wait_s) else 0.0
+            gave_up = _gave_up(context)
             try:
-                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s, gave_up=_gave_up(context))
+                # A held pull gets the update while the round's checkpoint is written; its
+                # stream ends only once the round is durable, and the site applies nothing
+                # before its stream has ended well.
+                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s, gave_up=gave_up, early=wait_s > 0)
             except CoordinatorError as e:
                 _abort(context, e)
             if not context.is_active():
@@ -137,6 +141,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 context.send_initial_metadata(((COMMITTED_KEY, "0" if chunks is None else "1"),))
             if chunks is not None:
                 yield from self._send(context, chunks)  # Chunk objects: _pull_serializer writes their bytes
+                if wait_s > 0:
+                    try:
+                        self._c.wait_durable(request.round, gave_up)
+                    except CoordinatorError as e:
+                        _abort(context, e)
 
     def PullGlobal(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.GlobalMessage]:
         with self._as(context, request.site_id):

@@ -54,10 +54,10 @@ class PullFirst:
         self.calls.append(("wait_round", round))
         return self._c.wait_round(site_id, round, timeout_s, gave_up)
 
-    def pull_update(self, site_id: str, round: int, want: Any = None, wait_s: float = 0.0, gave_up: Any = None) -> Any:
+    def pull_update(self, site_id: str, round: int, want: Any = None, wait_s: float = 0.0, gave_up: Any = None, early: bool = False) -> Any:
         self.calls.append(("pull", round))
         self._event(round).set()
-        return self._c.pull_update(site_id, round, want, wait_s=wait_s, gave_up=gave_up)
+        return self._c.pull_update(site_id, round, want, wait_s=wait_s, gave_up=gave_up, early=early)
 
 
 @pytest.fixture
