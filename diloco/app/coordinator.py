@@ -184,7 +184,7 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
     )
 
 
-_COMMIT_PARTS = ("receive_s", "lock_s", "commit_s", "mean_s", "step_s", "encode_s", "record_s", "checkpoint_s", "publish_s")
+_COMMIT_PARTS = ("receive_s", "lock_s", "commit_s", "mean_s", "step_s", "encode_s", "record_s", "serve_s", "checkpoint_s", "publish_s")
 
 
 def _median_parts(timings: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -117,7 +117,7 @@ class GlobalRecord:
     refused_pushes: dict[str, int] | None = _f("site -> its pushes the norm bound refused over the run (robust.norm_ratio)", optional=True)
     commit_s_median: dict[str, float] | None = _f(
         "seconds of each part of a commit, the median over the run's (Coordinator.commit_timings): receive_s (the closing push's receive and decode), "
-        "lock_s, commit_s (mean_s, step_s with encode_s, record_s), checkpoint_s (made durable), publish_s",
+        "lock_s, commit_s (mean_s, step_s with encode_s, record_s), serve_s (the update bundled for the pulls), checkpoint_s (made durable), publish_s",
         optional=True,
     )
     fragments: list[dict[str, Any]] | None = _f("fragments=F: the split (fragment_split), per fragment {fragment, numel, names}", optional=True)

@@ -308,8 +308,9 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
         whose push closed it; None for a round the ticker closed), ``receive_s`` (the closing
         push's receive and decode, of which ``first_chunk_s`` until its first chunk, from
         ``began_at``), ``lock_s``, ``commit_s`` (the commit under the lock: its
-        ``mean_s``, ``step_s`` with ``encode_s``, ``record_s``), ``checkpoint_s`` (made
-        durable, without the lock), ``publish_s`` and ``published_at`` (``began_at`` and
+        ``mean_s``, ``step_s`` with ``encode_s``, ``record_s``), ``serve_s`` (the update
+        bundled and handed to the held pulls), ``checkpoint_s`` (made durable, without the lock,
+        while the pulls stream), ``publish_s`` and ``published_at`` (``began_at`` and
         ``published_at`` read time.monotonic, the others time.perf_counter)."""
         with self._cv:
             return [dict(t) for t in self._timings]
