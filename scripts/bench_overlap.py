@@ -43,6 +43,7 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=5 ahead balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "fragment_split": "balanced"},
     "streaming F=5 τ=5 ahead int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4", "fragment_split": "balanced"},
     "streaming F=5 τ=0 balanced": {"fragments": 5, "fragment_split": "balanced"},
+    "streaming F=5 τ=5 ahead int4 down balanced freeze": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4", "fragment_split": "balanced", "fragment_end": "freeze"},
     "streaming F=5 τ=5 delta int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec_down": "int4", "fragment_split": "balanced"},
     "streaming F=5 τ=5 ahead zstd int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd", "codec_down": "int4+zstd"},
     "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
