@@ -15,7 +15,9 @@ never before the previous segment of its connection and direction (byte order is
 takes the next segment only once the current one has left (a socket is read at most ~50 ms
 ahead), so what is in flight stays near bandwidth x delay and the sender feels back-pressure
 from its socket buffer, as behind a real bottleneck. A new connection carries no byte before one round trip has passed (TCP's
-handshake). docs/wan.md: the limits of this model and its measured accuracy.
+handshake). docs/wan.md: the limits of this model and its measured accuracy. The path a byte
+takes (wires, hops, sockets, the carrying tasks) is diloco.sim.wan_path; the event loop's
+precise timers, diloco.sim.wan_clock; this module runs them per link and connection.
 
 Command line (the simulation starts it as a process)::
 
@@ -26,25 +28,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
-import platform
 import random
-import select
-import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 from diloco.io import write_json_atomic
 from diloco.sim.links import LinkSpec
+from diloco.sim.wan_clock import ask_for_short_slices, new_loop
+from diloco.sim.wan_path import MAX_READ_AHEAD, MIN_READ_AHEAD, Hop, Pipe, Side, Source, Window, Wire, carry, deliver, link_hops
 
 Address = tuple[str, int]
 
@@ -59,252 +56,8 @@ MAX_SEGMENT = 256 * 1024
 # the data it could have sent is there, stamped with when it came, and the wire catches up.
 READ_AHEAD_S = 0.05
 READ_AHEAD_SEGMENTS = 4
-MIN_READ_AHEAD, MAX_READ_AHEAD = 64 * 1024, 4 * 1024 * 1024
 RECEIVE_BUFFER = 256 * 1024  # SO_RCVBUF of the emulator's sockets (Linux doubles it)
-UNLIMITED_PIPE = 16 * 1024 * 1024  # what may be in flight on a hop with no bandwidth limit
 CONNECT_TIMEOUT_S = 10.0
-WAKE_SLICE_NS = 100_000  # the time slice the emulator's thread asks the kernel for (Linux 6.12+)
-_SCHED_ATTR_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}  # sched_setattr, sched_getattr
-
-
-class _Wire:
-    """One direction of one link: sends one segment at a time at the link's rate. Every
-    connection through the link shares it, so a site's parallel streams compete for its
-    bandwidth as they would on a real link."""
-
-    __slots__ = ("bytes_per_s", "next_free")
-
-    def __init__(self, mbit: float | None) -> None:
-        self.bytes_per_s = None if mbit is None else mbit * 1e6 / 8
-        self.next_free = 0.0
-
-    def transmit(self, ready: float, n: int) -> float:
-        """Reserves the wire for ``n`` bytes that were ready at ``ready``; returns when their
-        last byte has left."""
-        if self.bytes_per_s is None:
-            return ready
-        self.next_free = max(ready, self.next_free) + n / self.bytes_per_s
-        return self.next_free
-
-
-@dataclass(frozen=True)
-class _Hop:
-    wire: _Wire
-    delay_s: float
-    jitter_s: float
-    window: int | None = None  # bytes a connection may have unacknowledged (LinkSpec.window_kb)
-
-    @property
-    def shapes(self) -> bool:
-        return self.wire.bytes_per_s is not None or self.delay_s > 0 or self.jitter_s > 0
-
-    def pipe_bytes(self, segment: int) -> int:
-        """How much may be in flight after this hop: twice what its delay holds at its rate
-        (10 ms more for late wake-ups), so that the capacity never limits the rate, yet memory
-        and the queue before a slower next hop stay bounded."""
-        if self.wire.bytes_per_s is None:
-            return UNLIMITED_PIPE
-        return int(2 * self.wire.bytes_per_s * (self.delay_s + self.jitter_s + 0.01)) + 4 * segment
-
-
-def _hops(spec: LinkSpec, up: _Wire, down: _Wire) -> tuple[_Hop, _Hop]:
-    delay, jitter = spec.rtt_ms / 2000, spec.jitter_ms / 1000
-    window = None if spec.window_kb is None else max(1, int(spec.window_kb * 1024))
-    return _Hop(up, delay, jitter, window), _Hop(down, delay, jitter, window)
-
-
-class _PreciseEpollSelector(selectors.EpollSelector if hasattr(selectors, "EpollSelector") else selectors.DefaultSelector):  # type: ignore[misc]
-    """epoll waits in whole milliseconds (Python rounds a timeout up), which makes every timer
-    up to 1 ms late (0.8 ms median here): too coarse for a 2 ms RTT accuracy. select() waits in
-    microseconds, and the epoll descriptor itself is readable when an event is ready, so the
-    wait goes through select() on it and the events are then collected without waiting."""
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        fd = self._selector.fileno()  # type: ignore[attr-defined]
-        if timeout is not None and timeout > 0 and fd < 1024:  # FD_SETSIZE
-            select.select([fd], [], [], timeout)
-            timeout = 0
-        return super().select(timeout)
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    if hasattr(selectors, "EpollSelector"):
-        return asyncio.SelectorEventLoop(_PreciseEpollSelector())
-    return asyncio.SelectorEventLoop()
-
-
-def _ask_for_short_slices() -> bool:
-    """Asks the kernel for 0.1 ms time slices for the calling thread (EEVDF, Linux 6.12+): a
-    task with a short slice has an earlier deadline, so when it wakes it preempts a CPU-bound
-    process at once instead of waiting out that one's slice. Measured with other processes
-    busy on both cores: a 10 ms RTT came out +2 to +4 ms long in 30% of the measurements
-    without it, in none with it. It asks for no more CPU and needs no privilege; an older
-    kernel ignores it. True if the kernel took it."""
-    numbers = _SCHED_ATTR_SYSCALLS.get(platform.machine())
-    if numbers is None or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        current = ctypes.create_string_buffer(56)
-        if libc.syscall(numbers[1], 0, current, 56, 0) != 0:
-            return False
-        _, policy, _, nice, priority, _, _, _ = struct.unpack_from("IIQiIQQQ", current.raw)
-        if policy != 0:  # SCHED_OTHER only; keep its nice value as it is
-            return False
-        wanted = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 48, policy, 0, nice, priority, WAKE_SLICE_NS, 0, 0), 48)
-        return libc.syscall(numbers[0], 0, wanted, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    """Sleeps to an absolute time (not for a duration), so that lateness never accumulates.
-    Waking from a long sleep is late by ~0.25 ms on a VM (an idle CPU), from a short one by
-    ~0.08 ms: a long sleep ends 1 ms early, then a short one hits the time."""
-    if when - loop.time() > 0.002:
-        await _timer(loop, when - 0.001)
-    await _timer(loop, when)
-
-
-async def _timer(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    if when <= loop.time():
-        return
-    fut = loop.create_future()
-    handle = loop.call_at(when, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        handle.cancel()
-
-
-class _Side(asyncio.Protocol):
-    """One socket of a proxied connection. It keeps what it received with the time it came (when
-    it was ready to enter the link) and stops reading the socket past a small read-ahead, so
-    memory stays bounded and the sender is held back by its socket buffer."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, registry: set[_Side], on_made: Callable[[_Side], None] | None = None) -> None:
-        self.loop, self.registry, self.on_made = loop, registry, on_made
-        self.read_ahead = MIN_READ_AHEAD  # until the connection knows its segment length
-        registry.add(self)  # the emulator's stop() aborts whatever is still open
-        self.transport: asyncio.Transport | None = None
-        self.chunks: deque[tuple[float, bytes]] = deque()
-        self.size = 0
-        self.eof_at: float | None = None
-        self.lost = False
-        self.on_lost: Callable[[], None] = lambda: None  # set by the connection that owns this side
-        self._readable = asyncio.Event()
-        self._writable = asyncio.Event()
-        self._writable.set()
-        self._paused = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        if self.on_made is not None:
-            self.on_made(self)
-
-    def data_received(self, data: bytes) -> None:
-        self.chunks.append((self.loop.time(), data))
-        self.size += len(data)
-        self._readable.set()
-        if self.size >= self.read_ahead and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-
-    def eof_received(self) -> bool:
-        self.eof_at = self.loop.time()
-        self._readable.set()
-        return True  # keep the socket open for writing: a half-close passes through
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self.registry.discard(self)
-        if self.eof_at is None:
-            self.eof_at = self.loop.time()
-        self._readable.set()
-        self._writable.set()
-        self.on_lost()
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
-
-    async def take(self, max_n: int) -> tuple[float, bytes | None]:
-        """Up to ``max_n`` received bytes and when the last of them came; (time, None) at EOF."""
-        while not self.chunks:
-            if self.eof_at is not None:
-                return self.eof_at, None
-            self._readable.clear()
-            await self._readable.wait()
-        parts, n, ready = [], 0, 0.0
-        while self.chunks and n < max_n:
-            ready, data = self.chunks[0]
-            if n + len(data) > max_n:
-                cut = max_n - n
-                self.chunks[0] = (ready, data[cut:])
-                data = data[:cut]
-            else:
-                self.chunks.popleft()
-            parts.append(data)
-            n += len(data)
-        self.size -= n
-        if self._paused and self.size < self.read_ahead and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return ready, parts[0] if len(parts) == 1 else b"".join(parts)
-
-    async def send(self, data: bytes) -> bool:
-        """Writes and waits while the socket's buffer is full; False if the socket is gone."""
-        if self.lost or self.transport is None or self.transport.is_closing():
-            return False
-        self.transport.write(data)
-        if not self._writable.is_set():
-            await self._writable.wait()
-        return not self.lost
-
-    def send_eof(self) -> None:
-        if not self.lost and self.transport is not None and not self.transport.is_closing() and self.transport.can_write_eof():
-            self.transport.write_eof()
-
-    def close(self, abort: bool = False) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.abort() if abort else self.transport.close()
-
-
-class _Pipe:
-    """Segments between two stages, each with the time it reaches the next one: what is in
-    flight on a hop or queued before the next. Bounded in bytes: a full pipe holds back the
-    stage that feeds it. One producer, one consumer."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.items: deque[tuple[float, bytes | None]] = deque()
-        self.size = 0
-        self._readable = asyncio.Event()
-        self._writable = asyncio.Event()
-        self._writable.set()
-
-    async def put(self, when: float, data: bytes | None) -> None:
-        while self.size >= self.capacity:
-            self._writable.clear()
-            await self._writable.wait()
-        self.items.append((when, data))
-        self.size += len(data) if data else 0
-        self._readable.set()
-
-    async def get(self, _max_n: int = 0) -> tuple[float, bytes | None]:
-        while not self.items:
-            self._readable.clear()
-            await self._readable.wait()
-        when, data = self.items.popleft()
-        self.size -= len(data) if data else 0
-        if self.size < self.capacity:
-            self._writable.set()
-        return when, data
-
-
-Source = Callable[[int], Any]  # awaitable -> (time, bytes | None)
 
 
 class WanEmulator:
@@ -328,8 +81,8 @@ class WanEmulator:
             raise ValueError("links: give at least one link")
         self._upstream = upstream if callable(upstream) else (lambda: upstream)
         self._specs, self._coordinator, self._seed, self._host = dict(links), coordinator, seed, host
-        self._wires = {n: (_Wire(s.up_mbit), _Wire(s.down_mbit)) for n, s in links.items()}
-        self._coord_wires = None if coordinator is None else (_Wire(coordinator.up_mbit), _Wire(coordinator.down_mbit))
+        self._wires = {n: (Wire(s.up_mbit), Wire(s.down_mbit)) for n, s in links.items()}
+        self._coord_wires = None if coordinator is None else (Wire(coordinator.up_mbit), Wire(coordinator.down_mbit))
         self._stats: dict[str, dict[str, Any]] = {
             n: {"bytes_up": 0, "bytes_down": 0, "connections": 0, "open": 0, "upstream_failures": 0, "errors": 0, "port": None, "spec": s.to_dict()}
             for n, s in links.items()
@@ -338,7 +91,7 @@ class WanEmulator:
         self._thread: threading.Thread | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._sides: set[_Side] = set()
+        self._sides: set[Side] = set()
         self._stopped = False
         self.short_slices = False  # whether the kernel gave the loop's thread short time slices
 
@@ -348,13 +101,13 @@ class WanEmulator:
         """Starts listening; returns link name -> port."""
         if self._thread is not None:
             raise RuntimeError("WanEmulator.start: already started")
-        loop = self._loop = _new_loop()
+        loop = self._loop = new_loop()
         opened: dict[str, Any] = {}
         ready = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            self.short_slices = _ask_for_short_slices()
+            self.short_slices = ask_for_short_slices()
             try:
                 opened["ports"] = loop.run_until_complete(self._open())
             except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
@@ -430,17 +183,17 @@ class WanEmulator:
             except TimeoutError:
                 pass  # Python 3.12+ waits for connections here; they are aborted: nothing to lose
 
-    def _new_side(self, link: str | None) -> _Side:
+    def _new_side(self, link: str | None) -> Side:
         on_made = None if link is None else lambda side: self._accepted(link, side)
-        return _Side(asyncio.get_running_loop(), self._sides, on_made)
+        return Side(asyncio.get_running_loop(), self._sides, on_made)
 
-    def _accepted(self, link: str, client: _Side) -> None:
+    def _accepted(self, link: str, client: Side) -> None:
         self._stats[link]["connections"] += 1
         task = asyncio.get_running_loop().create_task(self._serve(link, client, self._stats[link]["connections"]))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connect(self, host: str, port: int) -> _Side:
+    async def _connect(self, host: str, port: int) -> Side:
         loop = asyncio.get_running_loop()
         info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         sock = socket.socket(info[0][0], socket.SOCK_STREAM)
@@ -454,20 +207,20 @@ class WanEmulator:
             raise
         return side
 
-    def _paths(self, link: str) -> tuple[list[_Hop], list[_Hop]]:
+    def _paths(self, link: str) -> tuple[list[Hop], list[Hop]]:
         """The hops of each direction: site -> coordinator, coordinator -> site."""
-        up, down = _hops(self._specs[link], *self._wires[link])
+        up, down = link_hops(self._specs[link], *self._wires[link])
         if self._coordinator is None or self._coord_wires is None:
             return [up], [down]
-        c_up, c_down = _hops(self._coordinator, *self._coord_wires)
+        c_up, c_down = link_hops(self._coordinator, *self._coord_wires)
         return [up, c_down], [c_up, down]
 
-    async def _serve(self, link: str, client: _Side, number: int) -> None:
+    async def _serve(self, link: str, client: Side, number: int) -> None:
         loop = asyncio.get_running_loop()
         stats = self._stats[link]
         stats["open"] += 1
         accepted_at = loop.time()
-        upstream: _Side | None = None
+        upstream: Side | None = None
         directions: list[list[asyncio.Task[None]]] = []
         try:
             try:
@@ -500,7 +253,7 @@ class WanEmulator:
                     side.close()  # after what is still buffered for it was written
             stats["open"] -= 1
 
-    def _direction(self, src: _Side, dst: _Side, hops: list[_Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float, rtt: float) -> list[asyncio.Task[None]]:
+    def _direction(self, src: Side, dst: Side, hops: list[Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float, rtt: float) -> list[asyncio.Task[None]]:
         """The tasks that carry one direction: one per shaping hop, then the delivery; the last
         one ends when the EOF was delivered or the destination is gone. The connection's
         window (the smallest of its hops') is kept at the first hop, each segment
@@ -512,15 +265,15 @@ class WanEmulator:
         wanted = max(READ_AHEAD_SEGMENTS * segment, int(min(rates, default=0) * READ_AHEAD_S))
         src.read_ahead = max(MIN_READ_AHEAD, min(MAX_READ_AHEAD, wanted))
         windows = [h.window for h in hops if h.window is not None]
-        window = _Window(min(windows), rtt) if windows else None
+        window = Window(min(windows), rtt) if windows else None
         source: Source = src.take
         tasks = []
         for i, hop in enumerate(shaping):
-            pipe = _Pipe(hop.pipe_bytes(segment))
+            pipe = Pipe(hop.pipe_bytes(segment))
             rng = random.Random(f"{seed}:{i}") if hop.jitter_s > 0 else None
-            tasks.append(loop.create_task(_carry(source, hop, pipe, segment, rng, not_before if i == 0 else 0.0, window if i == 0 else None)))
+            tasks.append(loop.create_task(carry(source, hop, pipe, segment, rng, not_before if i == 0 else 0.0, window if i == 0 else None)))
             source = pipe.get
-        tasks.append(loop.create_task(_deliver(source, dst, segment, stats, counter)))
+        tasks.append(loop.create_task(deliver(source, dst, segment, stats, counter)))
 
         def failed(task: asyncio.Task[None]) -> None:
             # A stage that fails would leave the delivery waiting forever: end the direction.
@@ -532,69 +285,6 @@ class WanEmulator:
         for task in tasks[:-1]:
             task.add_done_callback(failed)
         return tasks
-
-
-class _Window:
-    """One connection's window in one direction: the bytes sent and not yet acknowledged, each
-    segment acknowledged ``ack_s`` after its last byte left the wire."""
-
-    __slots__ = ("ack_s", "in_flight", "limit", "unacked")
-
-    def __init__(self, limit: int, ack_s: float) -> None:
-        self.limit, self.ack_s = limit, ack_s
-        self.in_flight = 0
-        self.unacked: deque[tuple[float, int]] = deque()
-
-    def open_at(self, ready: float, n: int) -> float:
-        """When ``n`` more bytes fit, at the earliest ``ready``. A segment larger than the
-        whole window goes once nothing is in flight."""
-        while self.unacked and (self.unacked[0][0] <= ready or self.in_flight + n > self.limit):
-            acked_at, k = self.unacked.popleft()
-            self.in_flight -= k
-            ready = max(ready, acked_at)
-        return ready
-
-    def sent(self, done: float, n: int) -> None:
-        self.unacked.append((done + self.ack_s, n))
-        self.in_flight += n
-
-
-async def _carry(source: Source, hop: _Hop, out: _Pipe, segment: int, rng: random.Random | None, not_before: float, window: _Window | None = None) -> None:
-    """One hop of one direction: each segment waits until it reaches the hop (and, on the
-    first hop, until the connection's window has room), takes its turn on the hop's wire, and
-    is handed on with the time it arrives at the far end."""
-    loop = asyncio.get_running_loop()
-    last_arrival = 0.0
-    while True:
-        ready, data = await source(segment)
-        n = len(data) if data else 0
-        ready = max(ready, not_before)
-        if window is not None and n:
-            ready = window.open_at(ready, n)
-        await _sleep_until(loop, ready)
-        # The wire is reserved from `ready`, not from now: waking up late must not slow the link.
-        done = hop.wire.transmit(ready, n)
-        if window is not None and n:
-            window.sent(done, n)
-        await _sleep_until(loop, done)  # back-pressure: the next segment is read once this one left
-        jitter = rng.uniform(0, hop.jitter_s) if rng is not None else 0.0
-        last_arrival = max(done + hop.delay_s + jitter, last_arrival)
-        await out.put(last_arrival, data)
-        if data is None:
-            return
-
-
-async def _deliver(source: Source, dst: _Side, segment: int, stats: dict[str, Any], counter: str) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        when, data = await source(segment)
-        await _sleep_until(loop, when)
-        if data is None:
-            dst.send_eof()
-            return
-        if not await dst.send(data):
-            return
-        stats[counter] += len(data)
 
 
 # --- the process ---------------------------------------------------------------------------
