@@ -149,3 +149,11 @@ def peak_bytes(fn: Callable[[], object]) -> int:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     return peak
+
+
+def small_theta() -> dict[str, Any]:
+    """θ of two small tensors (a 4x3 weight and a bias of 3), the same on every call."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return {"layer.w": torch.randn(4, 3, generator=g), "layer.b": torch.randn(3, generator=g)}

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import expect_refused
+from helpers import expect_refused, small_theta as _theta
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
@@ -30,11 +30,6 @@ from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 FP32 = get_codec("fp32")
-
-
-def _theta() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {"layer.w": torch.randn(4, 3, generator=g), "layer.b": torch.randn(3, generator=g)}
 
 
 class Gated:
