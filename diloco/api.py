@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from diloco.codec import CodecConfig
+from diloco.security.config import SecurityConfig
 from diloco.site.exchange import Timeouts
 from diloco.site.outer_sync import OuterSync, SyncOptions
-from diloco.security.config import SecurityConfig
 from diloco.transport import CoordinatorClient
 
 AFTER_LAST_ROUND = ("warn", "raise")

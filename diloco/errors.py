@@ -23,7 +23,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-Kind = Literal["invalid_argument", "failed_precondition", "not_found", "unauthenticated", "permission_denied", "resource_exhausted", "out_of_range", "aborted", "unavailable", "round_timeout", "internal"]
+Kind = Literal[
+    "invalid_argument",
+    "failed_precondition",
+    "not_found",
+    "unauthenticated",
+    "permission_denied",
+    "resource_exhausted",
+    "out_of_range",
+    "aborted",
+    "unavailable",
+    "round_timeout",
+    "internal",
+]
 KINDS: tuple[Kind, ...] = (
     "invalid_argument", "failed_precondition", "not_found", "unauthenticated", "permission_denied", "resource_exhausted", "out_of_range", "aborted", "unavailable", "round_timeout", "internal",
 )  # fmt: skip

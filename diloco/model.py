@@ -306,10 +306,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
         try:
             obj = getattr(obj, attr)
         except AttributeError:
-            raise ValueError(
-                f"{where}: {type(obj).__name__} {getattr(obj, '__name__', module)!r} "
-                f"has no attribute {attr!r}"
-            ) from None
+            raise ValueError(f"{where}: {type(obj).__name__} {getattr(obj, '__name__', module)!r} has no attribute {attr!r}") from None
     if not callable(obj):
         raise ValueError(f"{where}: {attrs!r} is not callable (it is {type(obj).__name__} {obj!r:.60})")
     return obj
@@ -341,9 +338,7 @@ def _build_custom(cfg: CustomModelConfig, seed: int) -> nn.Module:
         with _seeded(seed):
             model = factory(**cfg.kwargs)
     except Exception as e:
-        raise ValueError(
-            f"{what}: the call with model.kwargs={cfg.kwargs!r} raised {type(e).__name__}: {e}"
-        ) from e
+        raise ValueError(f"{what}: the call with model.kwargs={cfg.kwargs!r} raised {type(e).__name__}: {e}") from e
     return _check_built(model, what)
 
 
@@ -363,13 +358,8 @@ def _build_hf(cfg: HFModelConfig, seed: int) -> nn.Module:
     except Exception as e:
         mapping = getattr(transformers, "CONFIG_MAPPING", None)
         if mapping is not None and model_type not in mapping:
-            raise ValueError(
-                f"{where}: transformers {transformers.__version__} does not know this model type"
-            ) from e
-        raise ValueError(
-            f"model.config: transformers cannot make a {model_type} config from it "
-            f"({type(e).__name__}: {e})"
-        ) from e
+            raise ValueError(f"{where}: transformers {transformers.__version__} does not know this model type") from e
+        raise ValueError(f"model.config: transformers cannot make a {model_type} config from it ({type(e).__name__}: {e})") from e
     for key in HF_POSITION_KEYS:
         positions = getattr(hf_config, key, None)
         if isinstance(positions, int):
@@ -381,10 +371,7 @@ def _build_hf(cfg: HFModelConfig, seed: int) -> nn.Module:
         with _seeded(seed):
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
     except Exception as e:
-        raise ValueError(
-            f"{where}: transformers cannot build a causal LM from model.config "
-            f"({type(e).__name__}: {e})"
-        ) from e
+        raise ValueError(f"{where}: transformers cannot build a causal LM from model.config ({type(e).__name__}: {e})") from e
     return _check_built(model, f"model=hf ({type(model).__name__})")
 
 

@@ -54,14 +54,9 @@ class ModelConfig:
                 if not (math.isfinite(value) and value > 0):
                     raise ValueError(f"model.{f.name}={value}: must be a finite number > 0")
         if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"model.n_heads={self.n_heads}: must divide model.d_model={self.d_model}"
-            )
+            raise ValueError(f"model.n_heads={self.n_heads}: must divide model.d_model={self.d_model}")
         if self.head_dim % 2 != 0:
-            raise ValueError(
-                f"model.n_heads={self.n_heads}: head dim d_model/n_heads="
-                f"{self.head_dim} must be even for rotary embeddings"
-            )
+            raise ValueError(f"model.n_heads={self.n_heads}: head dim d_model/n_heads={self.head_dim} must be even for rotary embeddings")
 
     @property
     def head_dim(self) -> int:
@@ -116,9 +111,7 @@ def _plain(value: object, where: str) -> Any:
         return out
     if isinstance(value, (list, tuple)):
         return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
-    raise ValueError(
-        f"{where}={value!r}: must be plain data (null, bool, number, string, list or mapping)"
-    )
+    raise ValueError(f"{where}={value!r}: must be plain data (null, bool, number, string, list or mapping)")
 
 
 def _check_mapping(value: object, where: str) -> dict[str, Any]:
@@ -168,14 +161,9 @@ class CustomModelConfig:
     def __post_init__(self) -> None:
         _check_name(self.name, "custom")
         if self.factory is None or self.factory == "":
-            raise ValueError(
-                "model.factory is required for model=custom "
-                "(e.g. model.factory=package.module:function)"
-            )
+            raise ValueError("model.factory is required for model=custom (e.g. model.factory=package.module:function)")
         if not isinstance(self.factory, str):
-            raise ValueError(
-                f"model.factory={self.factory!r}: must be a string 'package.module:function'"
-            )
+            raise ValueError(f"model.factory={self.factory!r}: must be a string 'package.module:function'")
         # null (conf/model/custom.yaml's default, so that model.kwargs={...} can replace it
         # under hydra's struct mode) means no kwargs.
         kwargs = {} if self.kwargs is None else self.kwargs
@@ -212,16 +200,11 @@ class HFModelConfig:
         _check_count(self.context, "model.context")
         model_type = config.get("model_type")
         if model_type is None:
-            raise ValueError(
-                "model.config.model_type is required for model=hf (e.g. llama, gpt2)"
-            )
+            raise ValueError("model.config.model_type is required for model=hf (e.g. llama, gpt2)")
         if not isinstance(model_type, str) or not model_type:
             raise ValueError(f"model.config.model_type={model_type!r}: must be a non-empty string")
         if "vocab_size" not in config:
-            raise ValueError(
-                "model.config.vocab_size is required for model=hf "
-                "(the data pipeline and the loss need the output width)"
-            )
+            raise ValueError("model.config.vocab_size is required for model=hf (the data pipeline and the loss need the output width)")
         _check_count(config["vocab_size"], "model.config.vocab_size")
         for key in HF_POSITION_KEYS:
             if key in config:
@@ -239,10 +222,7 @@ class HFModelConfig:
 
 def check_context(positions: int, context: int, where: str) -> None:
     if positions < context:
-        raise ValueError(
-            f"{where}={positions}: the model accepts at most {positions} positions "
-            f"but model.context={context}; raise it or lower model.context"
-        )
+        raise ValueError(f"{where}={positions}: the model accepts at most {positions} positions but model.context={context}; raise it or lower model.context")
 
 
 AnyModelConfig: TypeAlias = ModelConfig | CustomModelConfig | HFModelConfig
@@ -278,10 +258,7 @@ def model_config(name: str, /, **overrides: object) -> AnyModelConfig:
     known_fields = {f.name for f in fields(cls)}
     for key in overrides:
         if key not in known_fields:
-            raise ValueError(
-                f"model.{key}: unknown field for model={name}; known: "
-                f"{', '.join(sorted(known_fields))}"
-            )
+            raise ValueError(f"model.{key}: unknown field for model={name}; known: {', '.join(sorted(known_fields))}")
     if cls is ModelConfig:
         return replace(MODEL_SIZES[name], **overrides)
     return cls(**{"name": name, **overrides})

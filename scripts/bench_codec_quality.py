@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quality import apply_override, parse_override  # noqa: E402
 
-from diloco.wire.chunks import encoded_bytes  # noqa: E402
 from diloco.app.config import RunConfig, run_config_defaults, run_config_from_dict, run_config_to_dict  # noqa: E402
 from diloco.io import read_jsonl, write_json_atomic  # noqa: E402
 from diloco.model import build_model  # noqa: E402
 from diloco.sim.launcher import SimError, SimStopped, run_simulation  # noqa: E402
+from diloco.wire.chunks import encoded_bytes  # noqa: E402
 
 DEFAULT_VARIANTS = "fp32,int8,int4,e3m0,topk2bit,topk2bit:noef,sparseloco,sparseloco:noef,sparse,sparse:noef"
 RECIPES = {p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "recipe").glob("*.yaml")}
@@ -127,7 +127,9 @@ def aggregate(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]
 
 def print_table(agg: dict[str, Any], sync_every: int) -> None:
     print("=" * 118)
-    print(f"{'variant':<15} {'bpb median':>10} {'vs fp32 (median, per seed)':<38} {'bytes_up/round':>15} {'formula':>11} {'ratio':>6} {'vs ddp':>8} {'target':>7}")
+    print(
+        f"{'variant':<15} {'bpb median':>10} {'vs fp32 (median, per seed)':<38} {'bytes_up/round':>15} {'formula':>11} {'ratio':>6} {'vs ddp':>8} {'target':>7}"
+    )
     for v, r in agg["variants"].items():
         per_seed = " ".join(f"{s}:{p:+.2f}%" for s, p in r["pct_vs_fp32"].items())
         med = "-" if r["pct_vs_fp32_median"] is None else f"{r['pct_vs_fp32_median']:+.2f}%"
@@ -181,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         summary.update(variant=v, run_dir=str(run_dir), formula_bytes_per_round=formula_bytes_per_site(cfg) * cfg.sites)
         runs.append(summary)
-        print(f"{v:<15} seed={s} final_eval_bpb={summary['final_eval_bpb']:.4f} bytes_up={summary['bytes_up']} hashes_equal={summary['hashes_equal']} wall_s={summary['wall_s']:.0f}", flush=True)
+        print(
+            f"{v:<15} seed={s} final_eval_bpb={summary['final_eval_bpb']:.4f} bytes_up={summary['bytes_up']} hashes_equal={summary['hashes_equal']} wall_s={summary['wall_s']:.0f}",
+            flush=True,
+        )
         write_json_atomic(results, {"meta": meta, "runs": runs, "aggregate": aggregate(runs, args.variant_list)})
     agg = aggregate(runs, args.variant_list)
     write_json_atomic(results, {"meta": meta, "runs": runs, "aggregate": agg})

@@ -26,10 +26,10 @@ from collections.abc import Callable
 import torch
 
 from diloco.codec import make_codec
-from diloco.wire import encode_chunks
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, model_config
 from diloco.site.inner import InnerConfig, InnerTrainer
+from diloco.wire import encode_chunks
 
 DEFAULT_CODECS = "fp32,fp16,bf16,int8,int8:torch,int4,e3m0,topk2bit,fp32+zstd,int8+zstd,topk2bit+zstd"
 
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             codec.use_native = False
         chunks = list(encode_chunks(delta, codec=codec))
         size = sum(len(c.payload) for c in chunks)
-        enc_s = timed(lambda: list(encode_chunks(delta, codec=codec)), args.repeats)
-        dec_s = timed(lambda: [codec.decode(c.payload, c.numel) for c in chunks], args.repeats)
+        enc_s = timed(lambda: list(encode_chunks(delta, codec=codec)), args.repeats)  # noqa: B023 - timed at once
+        dec_s = timed(lambda: [codec.decode(c.payload, c.numel) for c in chunks], args.repeats)  # noqa: B023 - timed at once
         decoded = {}
         for c in chunks:
             decoded.setdefault(c.name, []).append(codec.decode(c.payload, c.numel))

@@ -43,7 +43,19 @@ from diloco.app.config import run_config_from_dict
 from diloco.io import read_jsonl, write_json_atomic
 from diloco.sim.launcher import SimStopped, run_simulation
 
-SCENARIOS = ("clean4", "clean3", "kill_every", "kill_push_pull", "network", "straggler", "straggler_merge", "straggler_wait", "coordinator_x3", "clean4_dn", "straggler_merge_dn")
+SCENARIOS = (
+    "clean4",
+    "clean3",
+    "kill_every",
+    "kill_push_pull",
+    "network",
+    "straggler",
+    "straggler_merge",
+    "straggler_wait",
+    "coordinator_x3",
+    "clean4_dn",
+    "straggler_merge_dn",
+)
 
 
 def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -141,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(results: dict[str, Any]) -> None:
     ref = results.get("clean4")
-    print(f"{'scenario':<16} {'bpb':>7} {'vs clean4':>9} {'rounds':>6} {'consec':>6} {'hashes':>6} {'goodput':>7} {'faults':>6} {'late':>4} {'round s (median/mean)':>22} {'vs clean4':>9}")
+    print(
+        f"{'scenario':<16} {'bpb':>7} {'vs clean4':>9} {'rounds':>6} {'consec':>6} {'hashes':>6} {'goodput':>7} {'faults':>6} {'late':>4} {'round s (median/mean)':>22} {'vs clean4':>9}"
+    )
     for name, r in results.items():
         vs = f"{100 * (r['final_eval_bpb'] / ref['final_eval_bpb'] - 1):+.2f}%" if ref else "-"
         t = f"{r['round_s_median']:.2f}/{r['round_s_mean']:.2f}" if r["round_s_median"] is not None else "-"

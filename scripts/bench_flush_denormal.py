@@ -48,7 +48,11 @@ def run(flush: bool, args: argparse.Namespace) -> list[float]:
         trainer.step(*sampler.next_batch())
         if i % args.every == 0:
             windows.append((time.perf_counter() - t) / args.every)
-            print(f"flush_denormal={flush}  steps {i - args.every + 1:5d}-{i:5d}: {windows[-1]:.4f} s/step  subnormal values held: {subnormals(trainer)}", file=sys.stderr, flush=True)
+            print(
+                f"flush_denormal={flush}  steps {i - args.every + 1:5d}-{i:5d}: {windows[-1]:.4f} s/step  subnormal values held: {subnormals(trainer)}",
+                file=sys.stderr,
+                flush=True,
+            )
             t = time.perf_counter()
     return windows
 
@@ -66,7 +70,10 @@ def main() -> int:
         print(json.dumps(run(args.one == "flushed", args)))
         return 0
     common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "one"]
-    kept, flushed = (json.loads(subprocess.run([sys.executable, __file__, *common, f"--one={mode}"], check=True, stdout=subprocess.PIPE, text=True).stdout) for mode in ("kept", "flushed"))
+    kept, flushed = (
+        json.loads(subprocess.run([sys.executable, __file__, *common, f"--one={mode}"], check=True, stdout=subprocess.PIPE, text=True).stdout)
+        for mode in ("kept", "flushed")
+    )
     last = max(1, len(kept) // 3)  # the last third of the run, where the model is confident
     a, b = statistics.median(kept[-last:]), statistics.median(flushed[-last:])
     print(f"first window: kept {kept[0]:.4f}, flushed {flushed[0]:.4f} s/step; last third (median): kept {a:.4f}, flushed {b:.4f} s/step: x{a / b:.2f}")

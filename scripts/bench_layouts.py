@@ -110,7 +110,9 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{name:<10} {r['ranks']:5d} {r['inner_step_s']:7.3f} {r['tokens_per_s']:9.0f}  {pushed:<25} {pulled:<25} {sync}")
     q = results.get("quality")
     if q:
-        print(f"mixed {','.join(q['mixed']['layouts'])}: final eval bpb {q['mixed']['final_eval_bpb']:.4f}; all single: {q['all_single']['final_eval_bpb']:.4f} ({q['mixed_vs_single_pct']:+.3f}%)")
+        print(
+            f"mixed {','.join(q['mixed']['layouts'])}: final eval bpb {q['mixed']['final_eval_bpb']:.4f}; all single: {q['all_single']['final_eval_bpb']:.4f} ({q['mixed_vs_single_pct']:+.3f}%)"
+        )
 
 
 if __name__ == "__main__":

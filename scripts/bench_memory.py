@@ -52,7 +52,10 @@ def main() -> int:
 
     t0 = time.monotonic()
     try:
-        start("coordinator", [str(BIN / "diloco-coordinator"), *common, "coordinator.port=0", f"coordinator.port_file={port_file}", f"hydra.run.dir={work / 'coordinator'}"])
+        start(
+            "coordinator",
+            [str(BIN / "diloco-coordinator"), *common, "coordinator.port=0", f"coordinator.port_file={port_file}", f"hydra.run.dir={work / 'coordinator'}"],
+        )
         while not port_file.exists():
             if procs["coordinator"].poll() is not None:
                 raise RuntimeError((work / "coordinator.log").read_text())

@@ -508,8 +508,12 @@ def print_table(res: dict[str, Any]) -> None:
     )
     mfu = res.get("mfu")
     if mfu:
-        print(f"  batch                {mfu['batch']} x {mfu['context']} = {mfu['tokens_per_step']:,} tokens/step   (matmul dtype seen: {mfu['matmul_dtype_seen']})")
-        print(f"  step time            median {mfu['median_step_s'] * 1e3:,.2f} ms  (min {mfu['min_step_s'] * 1e3:,.2f}, max {mfu['max_step_s'] * 1e3:,.2f}, {mfu['steps']} steps)")
+        print(
+            f"  batch                {mfu['batch']} x {mfu['context']} = {mfu['tokens_per_step']:,} tokens/step   (matmul dtype seen: {mfu['matmul_dtype_seen']})"
+        )
+        print(
+            f"  step time            median {mfu['median_step_s'] * 1e3:,.2f} ms  (min {mfu['min_step_s'] * 1e3:,.2f}, max {mfu['max_step_s'] * 1e3:,.2f}, {mfu['steps']} steps)"
+        )
         if mfu.get("compile_first_step_s") is not None:
             print(f"  compile (1st step)   {mfu['compile_first_step_s']:,.1f} s")
         print(f"  tokens/s             {mfu['tokens_per_s']:,.0f}")

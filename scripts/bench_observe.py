@@ -61,7 +61,13 @@ def run_once(root: Path, name: str, extra: list[str], scrape: dict[str, Any] | N
     if proc.returncode != 0:
         raise SystemExit(f"{name}: diloco-sim exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"run": name, "process_s": round(wall, 2), "wall_s": summary["wall_s"], "eval_bpb": summary.get("final_eval_bpb"), "hashes_equal": summary.get("hashes_equal")}
+    return {
+        "run": name,
+        "process_s": round(wall, 2),
+        "wall_s": summary["wall_s"],
+        "eval_bpb": summary.get("final_eval_bpb"),
+        "hashes_equal": summary.get("hashes_equal"),
+    }
 
 
 def excerpt(text: str, keep: tuple[str, ...]) -> str:
@@ -99,12 +105,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{side:6s}{med[side]['wall_s']:22.2f}{med[side]['process_s']:22.2f}")
     print(f"{'on/off':6s}{ratio['wall_s']:22.4f}{ratio['process_s']:22.4f}")
     text = scrape.get("text", "")
-    part = excerpt(text, tuple(f"diloco_coordinator_{n}" for n in ("rounds_committed", "open_round", "sites", "pushes_", "received_bytes", "sent_bytes", "commit_duration_seconds"))) if text else ""
+    part = (
+        excerpt(
+            text,
+            tuple(
+                f"diloco_coordinator_{n}"
+                for n in ("rounds_committed", "open_round", "sites", "pushes_", "received_bytes", "sent_bytes", "commit_duration_seconds")
+            ),
+        )
+        if text
+        else ""
+    )
     if part:
         print(f"\n/metrics of the coordinator after {scrape['after_rounds']} rounds ({scrape['url']}), an excerpt:\n{part}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "overrides_off": OFF, "runs": runs, "median": med, "ratio_on_off": ratio, "metrics_excerpt": part, "metrics_full": text}, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                    "overrides_off": OFF,
+                    "runs": runs,
+                    "median": med,
+                    "ratio_on_off": ratio,
+                    "metrics_excerpt": part,
+                    "metrics_full": text,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -43,7 +43,14 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming F=5 τ=5 ahead balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "fragment_split": "balanced"},
     "streaming F=5 τ=5 ahead int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4", "fragment_split": "balanced"},
     "streaming F=5 τ=0 balanced": {"fragments": 5, "fragment_split": "balanced"},
-    "streaming F=5 τ=5 ahead int4 down balanced freeze": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4", "fragment_split": "balanced", "fragment_end": "freeze"},
+    "streaming F=5 τ=5 ahead int4 down balanced freeze": {
+        "fragments": 5,
+        "overlap_steps": 5,
+        "merge": "ahead",
+        "codec_down": "int4",
+        "fragment_split": "balanced",
+        "fragment_end": "freeze",
+    },
     "streaming F=5 τ=5 delta int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec_down": "int4", "fragment_split": "balanced"},
     "streaming F=5 τ=5 ahead zstd int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd", "codec_down": "int4+zstd"},
     "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
@@ -105,7 +112,16 @@ def straggle_of(blocking: dict[str, Any], sync_every: int) -> tuple[float, float
     return wait / (sync_every * blocking["step_s"]), wait
 
 
-def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbit: float | None, rtt_ms: float, overhead_s: float, straggle: float = 0.0, straggle_s: float = 0.0) -> dict[str, Any]:
+def plan_for(
+    r: dict[str, Any],
+    base: dict[str, Any],
+    extra: dict[str, Any],
+    mbit: float | None,
+    rtt_ms: float,
+    overhead_s: float,
+    straggle: float = 0.0,
+    straggle_s: float = 0.0,
+) -> dict[str, Any]:
     """diloco-plan's prediction for the run, from its own measured step time and payload bits."""
     bits = 8 * r["bytes_up_per_push"] * extra.get("fragments", 1) / r["params"]
     down_bits = 8 * r["bytes_down_per_pull"] * extra.get("fragments", 1) / r["params"] if r.get("bytes_down_per_pull") else None
@@ -117,7 +133,14 @@ def plan_for(r: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], mbi
     p = predict(plan)
     run = run_utilization(plan, base["rounds"], flush=extra.get("fragment_end", "flush") == "flush")
     until = run_utilization(plan, base["rounds"], tail=False)
-    return {"utilization": round(p.utilization, 4), "run_utilization": round(run, 4), "utilization_until_last_step": round(until, 4), "round_s": round(p.round_s, 3), "sync_s": round(p.sync_s, 3), "bits": round(bits, 3)}
+    return {
+        "utilization": round(p.utilization, 4),
+        "run_utilization": round(run, 4),
+        "utilization_until_last_step": round(until, 4),
+        "round_s": round(p.round_s, 3),
+        "sync_s": round(p.sync_s, 3),
+        "bits": round(bits, 3),
+    }
 
 
 def replan(files: list[Path], straggle_from: Path | None) -> int:
@@ -131,7 +154,9 @@ def replan(files: list[Path], straggle_from: Path | None) -> int:
         overhead = results.get("overhead_s") or results.get("loopback_blocking", {}).get("overhead_s")
         blocking = (source or results)["runs"]["blocking"]
         straggle, straggle_s = straggle_of(blocking, a["sync_every"])
-        print(f"{path}: {a['bandwidth_mbit']:g} Mbit/s, {a['rtt_ms']:g} ms, {a['rounds']} rounds; overhead {overhead} s; straggle {straggle:.4f} = {straggle_s:.3f} s per sync (from {straggle_from or path}'s blocking run)")
+        print(
+            f"{path}: {a['bandwidth_mbit']:g} Mbit/s, {a['rtt_ms']:g} ms, {a['rounds']} rounds; overhead {overhead} s; straggle {straggle:.4f} = {straggle_s:.3f} s per sync (from {straggle_from or path}'s blocking run)"
+        )
         for name, r in results["runs"].items():
             plain = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead)
             frac = plan_for(r, base, r["config"], a["bandwidth_mbit"], a["rtt_ms"], overhead, straggle=straggle)
@@ -159,12 +184,22 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--overhead-s", type=float, help="the sync's fixed cost for the planner; default: measured by a loopback blocking run first")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another run key for every mode, dotted (outer.lr=0.5); numbers parsed as JSON")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="another run key for every mode, dotted (outer.lr=0.5); numbers parsed as JSON"
+    )
     ap.add_argument("--loopback", action="store_true", help="no emulated link (the bpb figures do not depend on the link: every mode is deterministic)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--timeout-s", type=float, default=7200.0, help="each run's limit (sim.timeout_s): 30-round runs sharing the machine take over an hour")
-    ap.add_argument("--replan", type=Path, nargs="+", metavar="JSON", help="run nothing: print the measured rows of these result files next to diloco-plan's predictions, with the sites' straggle from --straggle-from")
-    ap.add_argument("--straggle-from", type=Path, metavar="JSON", help="with --replan: the result file whose blocking run gives the straggle (default: each file's own)")
+    ap.add_argument(
+        "--replan",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: print the measured rows of these result files next to diloco-plan's predictions, with the sites' straggle from --straggle-from",
+    )
+    ap.add_argument(
+        "--straggle-from", type=Path, metavar="JSON", help="with --replan: the result file whose blocking run gives the straggle (default: each file's own)"
+    )
     args = ap.parse_args()
     if args.replan:
         return replan(args.replan, args.straggle_from)
@@ -189,7 +224,10 @@ def main() -> int:
             ref = run_one(base, {}, None, Path(tmp) / "loopback", args.timeout_s)
             overhead = statistics.median(sum(v for k, v in t.items() if k != "wait_s") for t in ref["sync_s_median"])
             results["loopback_blocking"] = ref | {"overhead_s": round(overhead, 4)}
-            print(f"loopback blocking: utilization {ref['compute_utilization']['run']:.3f}, step {ref['step_s']:.3f} s, sync overhead {overhead:.3f} s, bpb {ref['final_eval_bpb']:.4f}", flush=True)
+            print(
+                f"loopback blocking: utilization {ref['compute_utilization']['run']:.3f}, step {ref['step_s']:.3f} s, sync overhead {overhead:.3f} s, bpb {ref['final_eval_bpb']:.4f}",
+                flush=True,
+            )
         else:
             overhead = args.overhead_s
             results["overhead_s"] = overhead
@@ -201,13 +239,16 @@ def main() -> int:
             u = r["compute_utilization"]["run"]
             t = (r["utilization_until_last_step"] or {}).get("run", float("nan"))
             pr = r["predicted"]
-            print(f"{name:<20} utilization {u:.3f} (planned {pr['run_utilization']:.3f}), until the last step {t:.3f} (planned {pr['utilization_until_last_step']:.3f}), steady planned {pr['utilization']:.3f}  stall {statistics.median(r['stall_s'].values()):7.1f} s  bpb {r['final_eval_bpb']:.4f}  wall {r['wall_s']:.0f} s  hashes_equal {r['hashes_equal']}", flush=True)
+            print(
+                f"{name:<20} utilization {u:.3f} (planned {pr['run_utilization']:.3f}), until the last step {t:.3f} (planned {pr['utilization_until_last_step']:.3f}), steady planned {pr['utilization']:.3f}  stall {statistics.median(r['stall_s'].values()):7.1f} s  bpb {r['final_eval_bpb']:.4f}  wall {r['wall_s']:.0f} s  hashes_equal {r['hashes_equal']}",
+                flush=True,
+            )
             if args.out:  # after every run: a run cut short keeps what finished
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(results, indent=1))
     blocking = results["runs"].get("blocking")
     if blocking:
-        for name, r in results["runs"].items():
+        for r in results["runs"].values():
             r["bpb_vs_blocking"] = round(r["final_eval_bpb"] / blocking["final_eval_bpb"] - 1, 4)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -196,7 +196,23 @@ def build_faults(args: argparse.Namespace, cfg: RunConfig, extra: list[tuple[lis
 # Settings only DiLoCo has: a grid over them runs each baseline once per seed. (A
 # sync_every_schedule is applied to the baselines too: they train the same blocks.)
 SIM_ONLY = "faults"  # run_simulation's own argument, not the run config's
-DILOCO_ONLY = ("outer", "codec", "codec_down", "quorum", "error_feedback", "error_feedback_decay", "aggregate", "robust", "guard", "fragments", "overlap_steps", "alpha", "merge", "outer_mode", "streams")
+DILOCO_ONLY = (
+    "outer",
+    "codec",
+    "codec_down",
+    "quorum",
+    "error_feedback",
+    "error_feedback_decay",
+    "aggregate",
+    "robust",
+    "guard",
+    "fragments",
+    "overlap_steps",
+    "alpha",
+    "merge",
+    "outer_mode",
+    "streams",
+)
 
 
 # ---------------------------------------------------------------------------- runs
@@ -281,7 +297,10 @@ def aggregate(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
                     "per_round_bytes_up_min": min(rounds) if rounds else None,
                     "per_round_bytes_up_max": max(rounds) if rounds else None,
                     "fp32_formula_4_params_sites": formula,
-                    "agree_exactly": bool(rounds) and len(rounds) == r["rounds"] and all(b == formula for b in rounds) and r["bytes_up"] == formula * r["rounds"],
+                    "agree_exactly": bool(rounds)
+                    and len(rounds) == r["rounds"]
+                    and all(b == formula for b in rounds)
+                    and r["bytes_up"] == formula * r["rounds"],
                     "peak_rss_mb_coordinator": r["peak_rss_mb"].get("coordinator"),
                     "peak_rss_mb_site0": r["peak_rss_mb"].get("0"),
                 }
@@ -302,9 +321,14 @@ def print_table(agg: dict[str, Any]) -> None:
         seeds = " ".join(f"{k}:{v:.4f}" for k, v in m["final_eval_bpb"].items()) or "-"
         tokens = ",".join(str(t) for t in m["tokens"]) or "-"
         bup = ",".join(f"{b:.0f}" for b in m["bytes_up_per_round"]) or "-"
-        print(f"{mode:<7} {_f(m['final_eval_bpb_median']):>10} {_f(m['final_eval_bpb_mean']):>9}  {seeds:<30} {tokens:>10} {bup:>15} {_f(m['wall_s_median'], '.1f'):>13}")
+        print(
+            f"{mode:<7} {_f(m['final_eval_bpb_median']):>10} {_f(m['final_eval_bpb_mean']):>9}  {seeds:<30} {tokens:>10} {bup:>15} {_f(m['wall_s_median'], '.1f'):>13}"
+        )
     print()
-    for key, label in (("diloco_vs_ddp_pct_worse", "diloco vs ddp   (% worse, + = diloco worse)"), ("diloco_vs_single_pct_better", "diloco vs single (% better)")):
+    for key, label in (
+        ("diloco_vs_ddp_pct_worse", "diloco vs ddp   (% worse, + = diloco worse)"),
+        ("diloco_vs_single_pct_better", "diloco vs single (% better)"),
+    ):
         c = agg.get(key)
         if c is None:
             continue
@@ -364,15 +388,16 @@ def print_grid(table: list[dict[str, Any]]) -> None:
     print()
     print(f"{'variant':<70} {'bpb median':>10} {'vs single (better)':>20} {'vs ddp (worse)':>16}  per seed (bpb / vs single / vs ddp)")
     for e in table:
+
         def spread(vals: list[float]) -> str:
             return f"{_median(vals):+.2f}%" if vals else "-"
 
-        seeds = "; ".join(
-            f"{seed}: {_f(b)}" for seed, b in zip(e["seeds"], e["bpb"])
-        )
+        seeds = "; ".join(f"{seed}: {_f(b)}" for seed, b in zip(e["seeds"], e["bpb"]))
         singles = " ".join(f"{v:+.2f}" for v in e["vs_single_pct_better"])
         ddps = " ".join(f"{v:+.2f}" for v in e["vs_ddp_pct_worse"])
-        print(f"{e['variant']:<70} {_f(e['bpb_median']):>10} {spread(e['vs_single_pct_better']):>20} {spread(e['vs_ddp_pct_worse']):>16}  {seeds} / [{singles}] / [{ddps}]")
+        print(
+            f"{e['variant']:<70} {_f(e['bpb_median']):>10} {spread(e['vs_single_pct_better']):>20} {spread(e['vs_ddp_pct_worse']):>16}  {seeds} / [{singles}] / [{ddps}]"
+        )
 
 
 def main_grid(args: argparse.Namespace, out: Path) -> int:
@@ -383,7 +408,15 @@ def main_grid(args: argparse.Namespace, out: Path) -> int:
     baselines = [m for m in args.mode_list if m != "diloco"]
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
-    meta = {"argv": sys.argv[1:], "sites": args.sites, "sync_every": args.sync_every, "rounds": args.rounds, "seeds": args.seed_list, "overrides": args.overrides, "grid": args.grid}
+    meta = {
+        "argv": sys.argv[1:],
+        "sites": args.sites,
+        "sync_every": args.sync_every,
+        "rounds": args.rounds,
+        "seeds": args.seed_list,
+        "overrides": args.overrides,
+        "grid": args.grid,
+    }
     print(f"bench_quality grid: {len(points)} point(s) x {len(args.seed_list)} seed(s), baselines {','.join(baselines) or 'none'} -> {out}", flush=True)
     done: dict[str, dict[str, Any]] = {}  # a baseline's config (JSON) -> its summary
     runs: list[dict[str, Any]] = []

@@ -130,7 +130,11 @@ def _sim(run_dir: Path, *overrides: str) -> dict[str, Any]:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
     sync = [sum(rank[k] for k in ("push_s", "wait_s", "pull_s")) for w in workers for rank in w["sync_s_median_per_rank"]]
-    return {"round_s": statistics.median(m["wall_s"] for m in metrics[1:]), "sync_s": statistics.median(sync), "wall_s": json.loads((run_dir / "summary.json").read_text())["wall_s"]}
+    return {
+        "round_s": statistics.median(m["wall_s"] for m in metrics[1:]),
+        "sync_s": statistics.median(sync),
+        "wall_s": json.loads((run_dir / "summary.json").read_text())["wall_s"],
+    }
 
 
 def sim(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -169,7 +173,16 @@ def _hostile_run(out: Path, connections: int, rounds: int) -> dict[str, Any]:
     run.mkdir(parents=True)
     creds = write_run_credentials(run / "credentials", ["0", "1", "x"], hosts=["localhost", "127.0.0.1"], days=30, force=True)
     # A fixed deadline: the leaked site x is a member that never pushes a whole Δ.
-    common = ["sites=3", f"rounds={rounds}", "sync_every=10", f"eval_every={rounds}", f"security.dir={creds.dir}", "quorum.lease_s=20", "quorum.deadline=fixed", "quorum.deadline_s=5"]
+    common = [
+        "sites=3",
+        f"rounds={rounds}",
+        "sync_every=10",
+        f"eval_every={rounds}",
+        f"security.dir={creds.dir}",
+        "quorum.lease_s=20",
+        "quorum.deadline=fixed",
+        "quorum.deadline_s=5",
+    ]
     port_file = run / "port.json"
     port_file.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -199,7 +212,9 @@ def _hostile_run(out: Path, connections: int, rounds: int) -> dict[str, Any]:
             sites.append(
                 subprocess.Popen(
                     [str(ROOT / ".venv/bin/diloco-site"), *common, f"site.id={s}", f"site.coordinator={address}", f"hydra.run.dir={run / ('site' + s)}"],
-                    stdout=open(run / f"site{s}.log", "w"), stderr=subprocess.STDOUT, env=env,
+                    stdout=open(run / f"site{s}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    env=env,
                 )  # fmt: skip
             )
         while coord.poll() is None:
@@ -245,7 +260,9 @@ def fuzz(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     theta = {"emb.w": torch.randn(16, 8, generator=torch.Generator().manual_seed(3)), "head.b": torch.zeros(8)}
     creds = write_run_credentials(out / "fuzz_credentials", ["a", "b", "x", "y"], hosts=["127.0.0.1"], days=30, force=True)
     security = SecurityConfig(dir=str(creds.dir))
-    cfg = CoordinatorConfig(total_rounds=rounds, min_sites=2, sites=("a", "b", "x", "y"), quorum=QuorumConfig(lease_s=30, deadline="fixed", deadline_s=1.0, late="merge"))
+    cfg = CoordinatorConfig(
+        total_rounds=rounds, min_sites=2, sites=("a", "b", "x", "y"), quorum=QuorumConfig(lease_s=30, deadline="fixed", deadline_s=1.0, late="merge")
+    )
     coord = Coordinator(theta, OuterConfig(), cfg)
     server, port = serve(coord, "127.0.0.1", 0, security=security, limits=ServerLimits(stream_idle_s=5.0))
     stop_ticker = coord.start_ticker(0.05)
@@ -293,9 +310,19 @@ def robust(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     for i, (name, extra) in enumerate(cases.items()):
         run_dir = out / f"robust_{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        subprocess.run([str(ROOT / ".venv/bin/diloco-sim"), *common, *extra, f"hydra.run.dir={run_dir}"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
+        subprocess.run(
+            [str(ROOT / ".venv/bin/diloco-sim"), *common, *extra, f"hydra.run.dir={run_dir}"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=3600,
+        )
         summary = json.loads((run_dir / "summary.json").read_text())
-        result[name] = {"final_eval_bpb": round(summary["final_eval_bpb"], 4), "rounds_rejected": summary["rounds_rejected"], "refused_pushes": summary["refused_pushes"]}
+        result[name] = {
+            "final_eval_bpb": round(summary["final_eval_bpb"], 4),
+            "rounds_rejected": summary["rounds_rejected"],
+            "refused_pushes": summary["refused_pushes"],
+        }
     clean = result["clean"]["final_eval_bpb"]
     for r in result.values():
         r["vs clean %"] = round(100 * (r["final_eval_bpb"] / clean - 1), 2)

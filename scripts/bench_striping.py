@@ -52,7 +52,16 @@ def one(k: int, args: argparse.Namespace) -> dict:
             down = statistics.median(x["bytes_down"] for x in t)
             push, pull = statistics.median(x["push_s"] for x in t), statistics.median(x["pull_s"] for x in t)
             whole = statistics.median(sum(x[p] for p in ("delta_s", "encode_s", "push_s", "wait_s", "pull_s", "apply_s")) for x in t)
-            return {"streams": k, "push_s": round(push, 3), "pull_s": round(pull, 3), "sync_s": round(whole, 3), "up_mbit_s": round(up * 8 / push / 1e6, 1), "down_mbit_s": round(down * 8 / pull / 1e6, 1), "bytes_up": up, "bytes_down": down}
+            return {
+                "streams": k,
+                "push_s": round(push, 3),
+                "pull_s": round(pull, 3),
+                "sync_s": round(whole, 3),
+                "up_mbit_s": round(up * 8 / push / 1e6, 1),
+                "down_mbit_s": round(down * 8 / pull / 1e6, 1),
+                "bytes_up": up,
+                "bytes_down": down,
+            }
     finally:
         wan.stop()
         server.stop(grace=None).wait(5)
@@ -73,7 +82,10 @@ def main() -> int:
     for k in (int(x) for x in args.streams.split(",")):
         r = one(k, args)
         rows.append(r)
-        print(f"streams {k}: push {r['push_s']:.3f} s ({r['up_mbit_s']:.0f} Mbit/s)  pull {r['pull_s']:.3f} s ({r['down_mbit_s']:.0f} Mbit/s)  sync {r['sync_s']:.3f} s", flush=True)
+        print(
+            f"streams {k}: push {r['push_s']:.3f} s ({r['up_mbit_s']:.0f} Mbit/s)  pull {r['pull_s']:.3f} s ({r['down_mbit_s']:.0f} Mbit/s)  sync {r['sync_s']:.3f} s",
+            flush=True,
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))

@@ -208,7 +208,12 @@ def ours_site(a: argparse.Namespace) -> None:
     rounds = []
     with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=120, connect_timeout_s=60) as real:
         client = _DelayedPulls(real, me, a.early_pull_delay) if a.early_pull_delay else real
-        sync = OuterSync(model, client, str(me), SyncOptions(codec="fp32", sync_every=a.H, timeouts=Timeouts(wait_poll_s=10.0, round_timeout_s=120.0, reconnect_timeout_s=30.0)))
+        sync = OuterSync(
+            model,
+            client,
+            str(me),
+            SyncOptions(codec="fp32", sync_every=a.H, timeouts=Timeouts(wait_poll_s=10.0, round_timeout_s=120.0, reconnect_timeout_s=30.0)),
+        )
         try:
             sync.join()
             for r in range(a.rounds):
@@ -265,7 +270,22 @@ class _DelayedPulls:
 
 def run_ours(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    common = ["--layers", str(a.layers), "--H", str(a.H), "--rounds", str(a.rounds), "--batch", str(a.batch), "--stagger", str(a.stagger), "--work", str(work), "--timeout", str(a.timeout)]
+    common = [
+        "--layers",
+        str(a.layers),
+        "--H",
+        str(a.H),
+        "--rounds",
+        str(a.rounds),
+        "--batch",
+        str(a.batch),
+        "--stagger",
+        str(a.stagger),
+        "--work",
+        str(work),
+        "--timeout",
+        str(a.timeout),
+    ]
     if a.no_checkpoint:
         common.append("--no-checkpoint")
     if a.early_pull_delay:
@@ -418,7 +438,22 @@ def _sha256(params: dict[str, Any]) -> str:
 
 def run_torchft(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    common = ["--layers", str(a.layers), "--H", str(a.H), "--rounds", str(a.rounds), "--batch", str(a.batch), "--stagger", str(a.stagger), "--work", str(work), "--timeout", str(a.timeout)]
+    common = [
+        "--layers",
+        str(a.layers),
+        "--H",
+        str(a.H),
+        "--rounds",
+        str(a.rounds),
+        "--batch",
+        str(a.batch),
+        "--stagger",
+        str(a.stagger),
+        "--work",
+        str(work),
+        "--timeout",
+        str(a.timeout),
+    ]
     py = a.torchft_python
     if a.tft_bucketize:
         common.append("--tft-bucketize")
@@ -432,7 +467,9 @@ def run_torchft(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         s = [rep["rounds"][r] for rep in reps]
         last = max((0, 1), key=lambda i: s[i]["arrive"])
         waited = max(0.0, s[1 - last]["arrive"] - s[last]["arrive"])
-        per_round.append({"round": r, "last": last, "waited_for_other_s": waited, "own_s": s[last]["total_s"] - waited, **{k: s[last][k] for k in ("total_s", *TFT_PARTS)}})
+        per_round.append(
+            {"round": r, "last": last, "waited_for_other_s": waited, "own_s": s[last]["total_s"] - waited, **{k: s[last][k] for k in ("total_s", *TFT_PARTS)}}
+        )
     return {"per_round": per_round, "hashes_equal": reps[0]["global_sha256"] == reps[1]["global_sha256"], "steps": [rep["rounds"][-1]["step"] for rep in reps]}
 
 
@@ -492,7 +529,9 @@ def main() -> None:
     p.add_argument("--malloc-keep", action="store_true", help="ours: the coordinator process keeps freed memory (glibc mallopt; a proposed setting)")
     p.add_argument("--site-bundles", action="store_true", help="ours: the sites bundle their pushes too (a preview of a change to diloco/site)")
     p.add_argument("--early-pull-delay", type=float, default=0.0, help="diagnostic: the early site waits this long before pulling (0: no)")
-    p.add_argument("--tft-bucketize", action="store_true", help="torchft: one allreduce for all parameters (use_bucketization=True; its default is one per parameter)")
+    p.add_argument(
+        "--tft-bucketize", action="store_true", help="torchft: one allreduce for all parameters (use_bucketization=True; its default is one per parameter)"
+    )
     p.add_argument("--torchft-python", default="/tmp/tftvenv/bin/python")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=None)
@@ -507,7 +546,11 @@ def main() -> None:
     for s in systems:
         if s not in ("ours", "torchft"):
             raise SystemExit(f"--systems: unknown system {s!r} (ours, torchft)")
-    result: dict[str, Any] = {"bench": "sync", "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in ("role", "work", "replica")}, "machine": _machine()}
+    result: dict[str, Any] = {
+        "bench": "sync",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in ("role", "work", "replica")},
+        "machine": _machine(),
+    }
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="bench_sync_", dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:
         for rep in range(a.repeats):

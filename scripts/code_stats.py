@@ -1,6 +1,6 @@
 """The longest files and functions of the diloco package (lines, generated stubs excluded).
 
-    .venv/bin/python scripts/code_stats.py [--top 5]
+.venv/bin/python scripts/code_stats.py [--top 5]
 """
 
 from __future__ import annotations

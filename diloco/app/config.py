@@ -9,21 +9,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco.codec import CodecConfig, best_settings, codec_config
-from diloco.wire.chunks import MAX_CHUNK_BYTES
 from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
+from diloco.observe.config import TensorBoardConfig
+from diloco.observe.logs import LoggingConfig
 from diloco.outer import OuterConfig, RobustConfig, check_aggregate
 from diloco.outer.defaults import applies, auto_outer
 from diloco.outer.eager import AHEAD_WEIGHT, EAGER_WEIGHT, check_eager_outer
 from diloco.outer.fragments import check_split
-from diloco.observe.logs import LoggingConfig
-from diloco.observe.config import TensorBoardConfig
 from diloco.security.config import SecurityConfig
 from diloco.site.inner import InnerConfig
 from diloco.site.layouts.config import LayoutConfig, layout_config
 from diloco.site.overlap import SyncSchedule
+from diloco.wire.chunks import MAX_CHUNK_BYTES
 
 MODES = ("diloco", "ddp", "single")
 INIT_SOURCES = ("model", "site", "file")
@@ -31,7 +31,16 @@ EVAL_BY = ("auto", "coordinator", "sites")
 DEVICES = ("auto", "cpu", "cuda")
 # Layouts that cut the built-in transformer's own modules (heads, MLP halves, pipeline stages).
 BUILTIN_ONLY_LAYOUTS = ("tp2", "tp2_fsdp2", "pp2")
-OUTER_FROM_CODEC = ("name", "lr", "momentum", "nesterov", "momentum_warmup", "lr_decay", "lr_min_ratio", "final_average")  # outer fields the codec's best (or the auto rule) decides unless set
+OUTER_FROM_CODEC = (
+    "name",
+    "lr",
+    "momentum",
+    "nesterov",
+    "momentum_warmup",
+    "lr_decay",
+    "lr_min_ratio",
+    "final_average",
+)  # outer fields the codec's best (or the auto rule) decides unless set
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
@@ -105,7 +114,9 @@ class RunConfig:
     # frequent syncs early; every site follows it by round number (blocking DiLoCo only).
     sync_every_schedule: tuple[int, ...] | None = None
     outer_mode: str = "blocking"  # blocking | eager | delayed: eager/delayed overlap the whole sync with the next inner phase
-    eager_weight: float | None = None  # eager, merge=ahead: the weight of a site's own Δ standing in for the mean in flight; None: 0.5 (eager), 0 (ahead) (diloco.outer.eager)
+    eager_weight: float | None = (
+        None  # eager, merge=ahead: the weight of a site's own Δ standing in for the mean in flight; None: 0.5 (eager), 0 (ahead) (diloco.outer.eager)
+    )
     streams: int = 1  # connection striping: a site's push and pull each over this many concurrent streams (TCP connections)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # every process's log format: text lines, or JSON lines (logging.json)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)  # TensorBoard scalars under <run dir>/tb (tensorboard.enabled)
@@ -182,7 +193,9 @@ class RunConfig:
         why = check_split(self.fragment_split)
         if why is not None:
             raise ConfigError(why)
-        if self.eager_weight is not None and (isinstance(self.eager_weight, bool) or not (isinstance(self.eager_weight, (int, float)) and 0.0 <= self.eager_weight <= 1.0)):
+        if self.eager_weight is not None and (
+            isinstance(self.eager_weight, bool) or not (isinstance(self.eager_weight, (int, float)) and 0.0 <= self.eager_weight <= 1.0)
+        ):
             raise ConfigError(f"eager_weight={self.eager_weight!r}: must be null (eager 0.5, ahead 0) or a number in [0, 1]")
 
     def _check_combinations(self) -> None:
@@ -194,25 +207,39 @@ class RunConfig:
         if self.quorum.min_sites is not None and self.quorum.min_sites > self.sites:
             raise ConfigError(f"quorum.min_sites={self.quorum.min_sites}: this run has only {self.sites} sites")
         if self.robust.aggregate != "mean" and self.aggregate == "nonzero":
-            raise ConfigError(f"robust.aggregate={self.robust.aggregate} cannot be combined with aggregate=nonzero (a coordinate-wise statistic has no 'sites that sent it')")
+            raise ConfigError(
+                f"robust.aggregate={self.robust.aggregate} cannot be combined with aggregate=nonzero (a coordinate-wise statistic has no 'sites that sent it')"
+            )
         if self.fragments > 1:
-            for what, on in (("quorum.late=merge", self.quorum.late == "merge"), ("guard.factor > 0", self.guard.factor > 0), ("robust.norm_ratio > 0", self.robust.norm_ratio > 0)):
+            for what, on in (
+                ("quorum.late=merge", self.quorum.late == "merge"),
+                ("guard.factor > 0", self.guard.factor > 0),
+                ("robust.norm_ratio > 0", self.robust.norm_ratio > 0),
+            ):
                 if on:
-                    raise ConfigError(f"fragments={self.fragments} cannot be combined with {what}: it compares pushes of different rounds, which hold different fragments")
+                    raise ConfigError(
+                        f"fragments={self.fragments} cannot be combined with {what}: it compares pushes of different rounds, which hold different fragments"
+                    )
         if self.outer_mode == "eager" or self.merge == "ahead":
             try:
                 check_eager_outer(self.outer, "outer_mode=eager" if self.outer_mode == "eager" else "merge=ahead")  # type: ignore[arg-type]
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         elif self.eager_weight is not None:
-            raise ConfigError(f"eager_weight={self.eager_weight}: only for outer_mode=eager or merge=ahead (this run has outer_mode={self.outer_mode}, merge={self.merge})")
+            raise ConfigError(
+                f"eager_weight={self.eager_weight}: only for outer_mode=eager or merge=ahead (this run has outer_mode={self.outer_mode}, merge={self.merge})"
+            )
         if self.merge == "ahead" and self.outer_mode != "blocking":
-            raise ConfigError(f"merge=ahead looks ahead of a fragment's round while τ steps overlap it; outer_mode={self.outer_mode} starts whole phases from its own point: use merge=delta")
+            raise ConfigError(
+                f"merge=ahead looks ahead of a fragment's round while τ steps overlap it; outer_mode={self.outer_mode} starts whole phases from its own point: use merge=delta"
+            )
         if self.init.source == "site" and self.eval_by == "coordinator":
             raise ConfigError("eval_by=coordinator: with init=site the coordinator does not know the model; use eval_by=auto or sites")
         if self.data.vocab > self.model.vocab_size:
             what = f"data.vocab_size={self.data.vocab}" if self.data.format == "tokens" else "256 (data.format=bytes)"
-            raise ConfigError(f"model.vocab_size={self.model.vocab_size}: the model's embedding is smaller than the data's vocabulary, {what}: token ids would fall outside it")
+            raise ConfigError(
+                f"model.vocab_size={self.model.vocab_size}: the model's embedding is smaller than the data's vocabulary, {what}: token ids would fall outside it"
+            )
 
     def _resolve_layouts(self) -> None:
         """layout (and site_layouts) as LayoutConfigs, and what the model and θ₀ need of them."""
@@ -266,8 +293,13 @@ class RunConfig:
     def schedule(self) -> SyncSchedule:
         """When sites push and merge (diloco.site.overlap)."""
         return SyncSchedule(
-            sync_every=self.sync_every, fragments=self.fragments, overlap_steps=self.overlap_steps, outer_mode=self.outer_mode, train_rounds=self.rounds * self.fragments,
-            early=tuple(self.sync_every_schedule or ()), end=self.fragment_end,
+            sync_every=self.sync_every,
+            fragments=self.fragments,
+            overlap_steps=self.overlap_steps,
+            outer_mode=self.outer_mode,
+            train_rounds=self.rounds * self.fragments,
+            early=tuple(self.sync_every_schedule or ()),
+            end=self.fragment_end,
         )
 
     @property

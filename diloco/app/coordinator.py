@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
-from diloco.checkpoint import CheckpointError, load_latest
 from diloco.app import records
 from diloco.app.config import ConfigError, RunConfig
-from diloco.app.records import GlobalRecord
-from diloco.wire.fingerprint import fingerprint, mismatches
-from diloco.coordinator.init_file import load_init_file
 from diloco.app.metrics import MetricsReporter
+from diloco.app.records import GlobalRecord
+from diloco.checkpoint import CheckpointError, load_latest
 from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.init_file import load_init_file
 from diloco.data import DataError, eval_batches, load_corpus
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model
@@ -32,9 +31,10 @@ from diloco.observe.coordinator_observer import CoordinatorObserver
 from diloco.observe.logs import log_at
 from diloco.observe.status_page import StatusConfig, StatusPage, serve_status_page
 from diloco.outer.fragments import describe
-from diloco.site.inner import evaluate_loss
 from diloco.security.store import RunCredentials
+from diloco.site.inner import evaluate_loss
 from diloco.transport import ServerLimits, serve
+from diloco.wire.fingerprint import fingerprint, mismatches
 
 Evaluate = Callable[[dict[str, torch.Tensor]], float]
 
@@ -93,7 +93,12 @@ def _status_page(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: C
 
 
 def _serve_run(
-    cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: Callable[[str], None], attach: Callable[[Coordinator], None] | None, observer: CoordinatorObserver
+    cfg: RunConfig,
+    opts: CoordinatorOptions,
+    run_dir: Path,
+    log: Callable[[str], None],
+    attach: Callable[[Coordinator], None] | None,
+    observer: CoordinatorObserver,
 ) -> dict[str, Any]:
     theta0, source = initial_params(cfg)
     evaluate = coordinator_evaluator(cfg, theta0, log)
@@ -114,7 +119,14 @@ def _serve_run(
         attach(coordinator)
     limits = ServerLimits(max_rpcs=opts.max_rpcs, max_rpcs_per_site=opts.max_rpcs_per_site, stream_idle_s=opts.stream_idle_s)
     server, port = serve(
-        coordinator, opts.host, opts.port, security=cfg.security, limits=limits, observer=observer.metrics, serving=not coordinator.finished, reflection=opts.reflection
+        coordinator,
+        opts.host,
+        opts.port,
+        security=cfg.security,
+        limits=limits,
+        observer=observer.metrics,
+        serving=not coordinator.finished,
+        reflection=opts.reflection,
     )
     # The health service: SERVING while rounds are taken; NOT_SERVING after the last, or a failure.
     coordinator.on_commit.append(lambda _record: server.set_serving(not coordinator.finished and coordinator.failed is None))
@@ -123,7 +135,9 @@ def _serve_run(
     start = time.monotonic()
     try:
         what = f"{_count(coordinator)} params from {source}" if coordinator.ready else "θ₀ from the first site that joins (init=site)"
-        log(f"coordinator listening on {opts.host}:{port}: {what}, {cfg.sync_rounds} rounds{_fragments(cfg)}, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}")
+        log(
+            f"coordinator listening on {opts.host}:{port}: {what}, {cfg.sync_rounds} rounds{_fragments(cfg)}, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}"
+        )
         if opts.port_file:
             write_json_atomic(Path(opts.port_file), {"port": port, "host": opts.host})
         _wait_until_done(coordinator, opts.linger_s, log, failed, Path(opts.sites_done_file) if opts.sites_done_file else None)

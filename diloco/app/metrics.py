@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from diloco.coordinator.service import Coordinator, RoundRecord
 from diloco.app.records import MetricsLine, append_metrics, metrics_rounds
+from diloco.coordinator.service import Coordinator, RoundRecord
 
 
 class MetricsReporter:

@@ -81,7 +81,9 @@ class MetricsLine:
     recovered: bool | None = _f("true: written by a restarted coordinator for a round its predecessor committed", optional=True)
     refused: list[dict[str, Any]] | None = _f("pushes the norm bound refused (robust.norm_ratio): {site, round, norm, reference, why}", optional=True)
     clipped: list[dict[str, Any]] | None = _f("pushes counted scaled down (robust.action=clip): {site, round, norm, reference, scale, why}", optional=True)
-    withheld: list[dict[str, Any]] | None = _f("sites that had no pseudo-gradient for the round and said so (not counted; e.g. faults drop_push lost): {site, round, why}", optional=True)
+    withheld: list[dict[str, Any]] | None = _f(
+        "sites that had no pseudo-gradient for the round and said so (not counted; e.g. faults drop_push lost): {site, round, why}", optional=True
+    )
     fragment: int | None = _f("fragments=F: the fragment of the parameters this round synced (round mod F)", optional=True)
 
 
@@ -142,19 +144,25 @@ class WorkerRecord:
     ranks: int | None = _f("processes of the site", optional=True)
     bytes_up_per_rank: list[int] | None = _f("bytes_up per rank", optional=True)
     bytes_down_per_rank: list[int] | None = _f("bytes_down per rank", optional=True)
-    sync_s_median_per_rank: list[dict[str, float]] | None = _f("per rank, the median seconds of each part of an outer sync (delta, encode, push, wait, pull, apply)", optional=True)
+    sync_s_median_per_rank: list[dict[str, float]] | None = _f(
+        "per rank, the median seconds of each part of an outer sync (delta, encode, push, wait, pull, apply)", optional=True
+    )
     inner_step_s_median: float | None = _f("median seconds of an inner step", optional=True)
     steps_per_round: dict[str, int] | None = _f("round -> inner steps it ran (fewer than H under inner_budget_s)", optional=True)
     round_sha256: dict[str, str] | None = _f("round -> sha256 of its θ after the round", optional=True)
     dropped_rounds: list[int] | None = _f("rounds committed without its push (it came too late)", optional=True)
     merged_rounds: list[int] | None = _f("rounds whose late push was merged into a later round", optional=True)
-    diverged_rounds: list[int] | None = _f("rounds whose pseudo-gradient was not finite: withheld, the site restarted from θ with a fresh inner optimizer state", optional=True)
+    diverged_rounds: list[int] | None = _f(
+        "rounds whose pseudo-gradient was not finite: withheld, the site restarted from θ with a fresh inner optimizer state", optional=True
+    )
     rejoins: int | None = _f("times it had to join again (evicted, or forgotten by a restarted coordinator)", optional=True)
     reconnects: int | None = _f("calls retried because the coordinator could not be reached", optional=True)
     incarnation: int | None = _f("how many times this site's process was started again", optional=True)
     compute_utilization: float | None = _f("seconds in inner steps / seconds from joining to the last round landed", optional=True)
     utilization_until_last_step: float | None = _f("compute_utilization up to the end of the last inner step (without the run's final syncs)", optional=True)
-    stall_s: float | None = _f("seconds the inner loop waited on outer syncs (a blocking sync whole; with overlap, a merge due before its round had landed)", optional=True)
+    stall_s: float | None = _f(
+        "seconds the inner loop waited on outer syncs (a blocking sync whole; with overlap, a merge due before its round had landed)", optional=True
+    )
     stalls: int | None = _f("overlapped syncs that had not landed when their merge was due", optional=True)
     fragment_bytes: dict[str, dict[str, int]] | None = _f("fragments=F: fragment -> {up, down} payload bytes of this site (leader rank)", optional=True)
     sync_mode: str | None = _f("blocking | streaming (fragments > 1 or overlap_steps > 0) | eager | delayed", optional=True)
@@ -205,7 +213,9 @@ class Summary:
     utilization_until_last_step: dict[str, float] | None = _f("site -> its utilization_until_last_step, and 'run': their mean", optional=True)
     stall_s: dict[str, float] | None = _f("site -> seconds its inner loop waited on outer syncs", optional=True)
     fragment_bytes: dict[str, dict[str, int]] | None = _f("fragments=F: fragment -> {up, down} payload bytes, all sites", optional=True)
-    wan: dict[str, Any] | None = _f("diloco-sim's emulated links: per site and the coordinator's {up_mbit, down_mbit, rtt_ms, jitter_ms, window_kb}", optional=True)
+    wan: dict[str, Any] | None = _f(
+        "diloco-sim's emulated links: per site and the coordinator's {up_mbit, down_mbit, rtt_ms, jitter_ms, window_kb}", optional=True
+    )
 
 
 @dataclass(frozen=True)
@@ -223,21 +233,51 @@ RUN_FILES: tuple[RunFile, ...] = (
     RunFile("workers/<id>.json", "one per site (or rank)", WorkerRecord, "each site / rank"),
     RunFile("progress/<site>.<incarnation>.json", "tokens a site process trained so far, and its round and step", ProgressRecord, "each site process"),
     RunFile("sites_done", "empty; exists once every site process has exited, so that the coordinator stops waiting for sites to leave", None, "diloco-sim"),
-    RunFile("status_page.json", "where the coordinator serves its status page: {host, port, url, tls, client_certificate, token} (diloco-sim's status.port)", None, "the coordinator"),
+    RunFile(
+        "status_page.json",
+        "where the coordinator serves its status page: {host, port, url, tls, client_certificate, token} (diloco-sim's status.port)",
+        None,
+        "the coordinator",
+    ),
     RunFile("summary.json", "the run's summary", Summary, "diloco-sim"),
     RunFile("faults.json", "the fault events to inject (the `faults` section of diloco-sim)", None, "diloco-sim"),
     RunFile("faults.jsonl", "one line per fault event that fired: event, kind, process, time, round, …", None, "the process that suffered it"),
-    RunFile("checkpoints/coordinator/, checkpoints/site-<i>/", "atomic checkpoints (coordinator: every round; sites: their own state)", None, "the coordinator, each site"),
-    RunFile("logs/<process>.<incarnation>.log", "each process's output: log lines `time [process] LEVEL message` (logging.json=true: one JSON object per line, {time, process, level, message})", None, "diloco-sim"),
-    RunFile("tb/coordinator/, tb/site-<id>/", "TensorBoard event files (tensorboard.enabled): the run's scalars per round, by round and by tokens (by_tokens/); each site's inner loss, lr and step time per step, and its outer sync's time split per round (docs/observability.md)", None, "the coordinator (ddp/single: rank 0), each site"),
+    RunFile(
+        "checkpoints/coordinator/, checkpoints/site-<i>/",
+        "atomic checkpoints (coordinator: every round; sites: their own state)",
+        None,
+        "the coordinator, each site",
+    ),
+    RunFile(
+        "logs/<process>.<incarnation>.log",
+        "each process's output: log lines `time [process] LEVEL message` (logging.json=true: one JSON object per line, {time, process, level, message})",
+        None,
+        "diloco-sim",
+    ),
+    RunFile(
+        "tb/coordinator/, tb/site-<id>/",
+        "TensorBoard event files (tensorboard.enabled): the run's scalars per round, by round and by tokens (by_tokens/); each site's inner loss, lr and step time per step, and its outer sync's time split per round (docs/observability.md)",
+        None,
+        "the coordinator (ddp/single: rank 0), each site",
+    ),
     RunFile(
         "pids.json",
         "each process's pid by name (`coordinator`, `site <id>`, `rank <r>`, `wan`; a restarted one's latest): forked processes share the zygote's command line (sim.fork)",
         None,
         "diloco-sim",
     ),
-    RunFile("prometheus/<process>.json", "where a process serves Prometheus /metrics: {host, port, url} (diloco-sim's metrics.port)", None, "the coordinator, each site"),
-    RunFile("plots/*.png", "eval_vs_tokens, train_loss_vs_tokens, eval_vs_bytes (log scale), overview (the three side by side), timeline (per site and round: pushed, absent, evicted, late, dropped, refused, killed, rejoined)", None, "diloco-sim, at the end (sim.plots)"),
+    RunFile(
+        "prometheus/<process>.json",
+        "where a process serves Prometheus /metrics: {host, port, url} (diloco-sim's metrics.port)",
+        None,
+        "the coordinator, each site",
+    ),
+    RunFile(
+        "plots/*.png",
+        "eval_vs_tokens, train_loss_vs_tokens, eval_vs_bytes (log scale), overview (the three side by side), timeline (per site and round: pushed, absent, evicted, late, dropped, refused, killed, rejoined)",
+        None,
+        "diloco-sim, at the end (sim.plots)",
+    ),
 )
 
 

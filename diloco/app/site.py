@@ -23,13 +23,13 @@ from diloco.model import build_model
 from diloco.observe.config import MetricsConfig
 from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, SiteStep
 from diloco.observe.site_observer import SiteObserver
-from diloco.site.checkpoint import SiteCheckpointer
 from diloco.outer import params_sha256
+from diloco.site.checkpoint import SiteCheckpointer
 from diloco.site.device import configure_cuda, resolve_device
 from diloco.site.inner import InnerTrainer, evaluate_loss
 from diloco.site.layouts.build import build_layout, close_site_group, init_site_group
-from diloco.site.outer_sync import OuterSync, PendingRound, SyncOptions
 from diloco.site.loop import RoundLoop
+from diloco.site.outer_sync import OuterSync, PendingRound, SyncOptions
 from diloco.transport import CoordinatorClient
 
 
@@ -176,7 +176,9 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     site.live = live
     start = time.monotonic()
     try:
-        with CoordinatorClient(opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.streams) as real_client:
+        with CoordinatorClient(
+            opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.streams
+        ) as real_client:
             client = hooks.wrap(real_client) if hooks else real_client
             options = SyncOptions(
                 codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
@@ -184,7 +186,9 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
                 streams=cfg.streams,
                 outer=cfg.outer if cfg.outer_mode == "eager" or cfg.merge == "ahead" else None, eager_weight=cfg.lookahead_weight,
             )  # fmt: skip
-            sync = OuterSync(layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None, on_diverged=site.trainer.reset_state)
+            sync = OuterSync(
+                layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None, on_diverged=site.trainer.reset_state
+            )
             try:
                 site_hash = site.train(sync, shard)
             finally:
@@ -255,14 +259,24 @@ class _Site:
         # A site that joins late (or again, after a crash) starts its lr schedule and its
         # data where the run is; its inner optimizer state starts fresh.
         self.trainer.steps_done = self.schedule.steps_before(sync.round)
-        log(f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation}; sync {self.schedule.mode})")
+        log(
+            f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation}; sync {self.schedule.mode})"
+        )
         # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
         one_rank = self.layout.world == 1
-        self.checkpointer = SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
+        self.checkpointer = (
+            SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
+        )
         if not _restore(self.checkpointer, sync, opts.site_id, log):
             self.sampler.skip(self.schedule.steps_before(sync.round))  # the data goes on where the run is
         self.loop = RoundLoop(
-            sync, self.schedule, self._step, self.sampler.tokens_per_batch, lambda p, d: self._after_round(sync, p, d), mean=self.layout.mean, budget_s=cfg.inner_budget_s
+            sync,
+            self.schedule,
+            self._step,
+            self.sampler.tokens_per_batch,
+            lambda p, d: self._after_round(sync, p, d),
+            mean=self.layout.mean,
+            budget_s=cfg.inner_budget_s,
         )
         self.observer.watch(sync, self.loop)
         try:

@@ -23,9 +23,7 @@ examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="diloco-certs", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog="diloco-certs", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the run's credentials directory")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--sites", nargs="+", metavar="ID", help="a new run's site ids; a single integer N means 0..N-1")

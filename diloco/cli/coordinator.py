@@ -5,15 +5,15 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
+from diloco.app.config import ConfigError
+from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
 from diloco.checkpoint import CheckpointError
 from diloco.cli.common import SECTIONS, fail, process_metrics, process_status, run_config, run_dir, section
-from diloco.app.config import ConfigError
 from diloco.coordinator.init_file import InitFileError
-from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
 from diloco.data import DataError
 from diloco.io import exit_process
-from diloco.site.device import flush_denormals
 from diloco.observe.logs import setup_logging
+from diloco.site.device import flush_denormals
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="coordinator", version_base=None)

@@ -95,14 +95,23 @@ def table(p: Plan, r: dict[str, Any]) -> str:
     share = "the whole model" if r["syncs_per_round"] == 1 else f"1/{r['syncs_per_round']} of the model"
     rows = [
         ("step", f"{r['step_s']:.4g} s of compute"),
-        ("round", f"{r['steps_per_round']} steps, {r['syncs_per_round']} sync(s): {r['compute_s']:.4g} s compute + {r['stall_s']:.4g} s stall = {r['round_s']:.4g} s"),
+        (
+            "round",
+            f"{r['steps_per_round']} steps, {r['syncs_per_round']} sync(s): {r['compute_s']:.4g} s compute + {r['stall_s']:.4g} s stall = {r['round_s']:.4g} s",
+        ),
         ("utilization", f"{100 * r['utilization']:.1f}%"),
         ("per sync", f"{_bytes(r['payload_bytes_up'])} up, {_bytes(r['payload_bytes_down'])} down ({share} at {p.bits:g}/{down:g} bits per value)"),
         ("link", _link_line(p, r)),
-        ("one sync", f"{r['sync_s']:.4g} s = {r['latency_s']:.4g} s latency + {r['transfer_s']:.4g} s transfer + {p.overhead_s:.4g} s overhead"
-         + (f" + {r['sync_s'] - r['latency_s'] - r['transfer_s'] - p.overhead_s:.4g} s waiting for the slowest site" if p.straggle else "")),
+        (
+            "one sync",
+            f"{r['sync_s']:.4g} s = {r['latency_s']:.4g} s latency + {r['transfer_s']:.4g} s transfer + {p.overhead_s:.4g} s overhead"
+            + (f" + {r['sync_s'] - r['latency_s'] - r['transfer_s'] - p.overhead_s:.4g} s waiting for the slowest site" if p.straggle else ""),
+        ),
         ("hidden", f"a sync may run {r['hidden_s']:.4g} s past its step{_layer_note(p)} before a site waits"),
-        ("traffic", f"{_bytes(r['sent_bytes_per_round'])} sent, {_bytes(r['received_bytes_per_round'])} received per site per round; {_gbit(r['mean_gbit'])} Gbit/s on average"),
+        (
+            "traffic",
+            f"{_bytes(r['sent_bytes_per_round'])} sent, {_bytes(r['received_bytes_per_round'])} received per site per round; {_gbit(r['mean_gbit'])} Gbit/s on average",
+        ),
     ]
     lines = [_header(p)] + [f"  {k:<12} {v}" for k, v in rows]
     needed = r["bandwidth_needed_gbit"]

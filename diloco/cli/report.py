@@ -58,7 +58,15 @@ def rows(runs: Sequence[RunData], labels: Sequence[str]) -> list[dict[str, Any]]
     for run, label in zip(runs, labels):
         f = run.finals()
         metric = run.eval_metric
-        out.append({**{k: f.get(k) for k in COLUMNS if k != "final_eval"}, "run": label, "final_eval": f[f"final_{metric}"], "eval_metric": metric, "path": str(run.path)})
+        out.append(
+            {
+                **{k: f.get(k) for k in COLUMNS if k != "final_eval"},
+                "run": label,
+                "final_eval": f[f"final_{metric}"],
+                "eval_metric": metric,
+                "path": str(run.path),
+            }
+        )
     return out
 
 

@@ -7,8 +7,8 @@ import json
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.cli.common import SECTIONS, fail, process_progress, run_config, run_dir, section
 from diloco.app.config import ConfigError
+from diloco.cli.common import SECTIONS, fail, process_progress, run_config, run_dir, section
 from diloco.data import DataError
 from diloco.io import exit_process
 from diloco.observe.logs import setup_logging

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from diloco.cli.common import SECTIONS, fail, process_metrics, process_progress, run_config, run_dir, section
 from diloco.app.config import ConfigError
+from diloco.app.site import SiteOptions, run_site
+from diloco.cli.common import SECTIONS, fail, process_metrics, process_progress, run_config, run_dir, section
 from diloco.data import DataError
 from diloco.io import exit_process
-from diloco.site.device import flush_denormals
 from diloco.observe.logs import setup_logging
-from diloco.app.site import SiteOptions, run_site
+from diloco.site.device import flush_denormals
 from diloco.transport import RemoteError
 
 

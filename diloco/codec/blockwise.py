@@ -51,9 +51,7 @@ def _block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
     return np.abs(absmax, out=absmax)  # max(0, -0) may be -0: a zero block's scale is +0
 
 
-def _apply_per_block(
-    op: Callable[..., torch.Tensor], x: torch.Tensor, per_block: torch.Tensor, block: int, out: torch.Tensor
-) -> torch.Tensor:
+def _apply_per_block(op: Callable[..., torch.Tensor], x: torch.Tensor, per_block: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     """out = op(x, per_block value of each element's block), without expanding per_block."""
     n = x.numel()
     full = n // block * block
@@ -295,9 +293,7 @@ class E3M0Codec(_NibbleCodec):
     name = "e3m0"
     max_code = 1.0
     default_block = 1024
-    _nibble_values = np.array(
-        [0.0] + [2.0 ** (e - 7) for e in range(1, 8)] + [0.0] + [-(2.0 ** (e - 7)) for e in range(1, 8)], dtype=np.float32
-    )
+    _nibble_values = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)] + [0.0] + [-(2.0 ** (e - 7)) for e in range(1, 8)], dtype=np.float32)
 
     def _nibbles(self, ratio: torch.Tensor) -> torch.Tensor:
         negative = (ratio < 0).view(torch.uint8)

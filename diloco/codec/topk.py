@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from diloco.codec.base import CodecError
-from diloco.codec.sparse_index import decode_positions, encode_positions, index_bytes, index_format
 from diloco.codec.header import (
     HEADER_BYTES,
     as_float32,
@@ -22,6 +21,7 @@ from diloco.codec.header import (
     pack_header,
     parse_header,
 )
+from diloco.codec.sparse_index import decode_positions, encode_positions, index_bytes, index_format
 
 _KB = struct.Struct("<II")  # k, block
 _LEVELS_AT = HEADER_BYTES + _KB.size  # 16

@@ -74,9 +74,13 @@ class CoordinatorConfig:
         if isinstance(self.flush_rounds, bool) or not (isinstance(self.flush_rounds, int) and 0 <= self.flush_rounds < self.total_rounds):
             raise ValueError(f"flush_rounds={self.flush_rounds!r}: must be an integer in 0..total_rounds-1 ({self.total_rounds - 1})")
         if not isinstance(self.frozen_end, bool) or (self.frozen_end and (self.fragments == 1 or self.flush_rounds)):
-            raise ValueError(f"frozen_end={self.frozen_end!r}: must be a bool, and True only with fragments > 1 and no flush rounds (fragments={self.fragments}, flush_rounds={self.flush_rounds})")
+            raise ValueError(
+                f"frozen_end={self.frozen_end!r}: must be a bool, and True only with fragments > 1 and no flush rounds (fragments={self.fragments}, flush_rounds={self.flush_rounds})"
+            )
         if self.fragments > 1 and self.quorum.late == "merge":
-            raise ValueError(f"quorum.late=merge cannot be combined with fragments={self.fragments}: a late push belongs to another fragment than the open round's; use quorum.late=drop")
+            raise ValueError(
+                f"quorum.late=merge cannot be combined with fragments={self.fragments}: a late push belongs to another fragment than the open round's; use quorum.late=drop"
+            )
         if not self.staging_timeout_s > 0:
             raise ValueError(f"staging_timeout_s={self.staging_timeout_s}: must be > 0")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:

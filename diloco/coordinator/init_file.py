@@ -72,7 +72,9 @@ def _load_torch(p: Path, where: str) -> Mapping[str, object]:
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        raise InitFileError(f"{where}: neither a safetensors file nor a torch.save state dict that loads with weights_only=True ({type(e).__name__}: {e})") from None
+        raise InitFileError(
+            f"{where}: neither a safetensors file nor a torch.save state dict that loads with weights_only=True ({type(e).__name__}: {e})"
+        ) from None
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model"):
             nested = obj.get(key)

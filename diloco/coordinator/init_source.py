@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from diloco.codec import CodecError, is_lossless
-from diloco.wire import ChunkAssembler, unbundled
-from diloco.types import Chunk, TensorSpec
 from diloco.security.ids import quote
+from diloco.types import Chunk, TensorSpec
+from diloco.wire import ChunkAssembler, unbundled
 
 KEEP_ALIVE_EVERY = 64  # chunks (of <= 1 MiB) between lease renewals while θ₀ is uploaded
 
@@ -95,4 +95,3 @@ def decode_upload(specs: Mapping[str, TensorSpec], chunks: Iterable[Chunk], keep
             raise CodecError(f"chunk of {chunk.name!r} holds a slice; θ₀ is sent whole, from a one-rank site")
         assembler.add(chunk)
     return assembler.finish(), assembler.payload_bytes
-

@@ -149,7 +149,13 @@ class PushIntake:
                 self._round.bytes_up += payload
                 # The push's receive and decode (from its first chunk), and the wait for the lock.
                 pending = self._maybe_commit(
-                    {"closer": header.site_id, "began_at": at, "first_chunk_s": t_first - t0, "receive_s": received - t0, "lock_s": time.perf_counter() - received}
+                    {
+                        "closer": header.site_id,
+                        "began_at": at,
+                        "first_chunk_s": t_first - t0,
+                        "receive_s": received - t0,
+                        "lock_s": time.perf_counter() - received,
+                    }
                 )
         for push_listener in self.on_push:
             push_listener(header.round)
@@ -208,7 +214,7 @@ class PushIntake:
             raise CoordinatorError("invalid_argument", f"{what} rejected: {why}")
 
     def _check_push(self, header: PushHeader) -> str:
-        """"take" (a push for the open round), "merge" (a late push the policy folds into the
+        """ "take" (a push for the open round), "merge" (a late push the policy folds into the
         open round) or "duplicate" (a harmless repeat); raises if the push cannot be taken.
         A push for a round that is being committed waits until it is published."""
         self._require_member(header.site_id)
@@ -230,7 +236,9 @@ class PushIntake:
             late = self._late.setdefault(self._open, [])
             if {"site": site, "round": r} not in late:
                 late.append({"site": site, "round": r})
-            raise CoordinatorError("aborted", f"round {r} was committed without site {site!r} (open round is {self._open}); pull the global parameters and go on")
+            raise CoordinatorError(
+                "aborted", f"round {r} was committed without site {site!r} (open round is {self._open}); pull the global parameters and go on"
+            )
         return verdict
 
     def _record_eval(self, header: PushHeader) -> None:

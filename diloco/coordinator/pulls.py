@@ -141,7 +141,9 @@ class Pulls:
             self._require_ready()
             self._downlink.check_want(want)
             if outer_state and self._outer.cfg.name != "SGD":
-                raise CoordinatorError("failed_precondition", f"the outer step is {self._outer.cfg.name}, not SGD: it keeps no momentum buffer a look-ahead follows")
+                raise CoordinatorError(
+                    "failed_precondition", f"the outer step is {self._outer.cfg.name}, not SGD: it keeps no momentum buffer a look-ahead follows"
+                )
             self._await_start(site_id)
             self._wait_published()
             open_round = self._open

@@ -68,9 +68,7 @@ class RoundState:
 
     def counted(self, site_id: str) -> bool:
         """The site's push for this round is in the average (not refused, not withheld)."""
-        return site_id in self.pushes and not any(
-            r["site"] == site_id and r["round"] == self.number for r in (*self.refused, *self.withheld)
-        )
+        return site_id in self.pushes and not any(r["site"] == site_id and r["round"] == self.number for r in (*self.refused, *self.withheld))
 
     def _count(self, header: PushHeader, delta: Mapping[str, torch.Tensor], weight: float, judged: NormVerdict | None) -> bool:
         """Adds ``delta`` to the average as ``judged`` says; False when it was refused."""

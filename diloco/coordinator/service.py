@@ -32,11 +32,11 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.headers import HeaderBounds
-from diloco.coordinator.intake import PushIntake
-from diloco.coordinator.pulls import Pulls
 from diloco.coordinator.init_source import InitElection
+from diloco.coordinator.intake import PushIntake
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.parts import PartialPushes
+from diloco.coordinator.pulls import Pulls
 from diloco.coordinator.round_state import RoundState
 from diloco.coordinator.sessions import SiteSessions
 from diloco.coordinator.site_evals import SiteEvals
@@ -123,8 +123,12 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
 
     def _install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the open round, the downlink."""
-        average_from = averaged_from(self.cfg.total_rounds, self.cfg.flush_rounds, self._outer_cfg.final_average, last=self.cfg.fragments if self.cfg.frozen_end else 1)
-        self._outer = OuterOptimizer(params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments, average_from=average_from)
+        average_from = averaged_from(
+            self.cfg.total_rounds, self.cfg.flush_rounds, self._outer_cfg.final_average, last=self.cfg.fragments if self.cfg.frozen_end else 1
+        )
+        self._outer = OuterOptimizer(
+            params, self._outer_cfg, steps=-(-self.cfg.total_rounds // self.cfg.fragments), fragments=self.cfg.fragments, average_from=average_from
+        )
         self._specs = fingerprint(self._outer.params)
         self._shapes = {n: p.shape for n, p in self._outer.params.items()}
         self._encoder = UpdateEncoder.of(self.cfg.codec_down.build(), self._specs, self.cfg.chunk_bytes, self.cfg.error_feedback_down)
@@ -156,7 +160,8 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
         owner = next((i for i, part in enumerate(self._split) if name in part), None)
         if owner is not None:
             raise CoordinatorError(
-                "invalid_argument", f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {self.cfg.fragments}"
+                "invalid_argument",
+                f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {self.cfg.fragments}",
             )
 
     @property
@@ -384,7 +389,15 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
             self._parts.prune(lambda rnd: self._open - rnd <= stale)
             self._round = self._open_round(self._open, pending.closed_at)
             self._cv.notify_all()
-            self._timings.append({**pending.times, "serve_s": t_served - t0, "checkpoint_s": t1 - t_served, "publish_s": time.perf_counter() - t1, "published_at": time.monotonic()})
+            self._timings.append(
+                {
+                    **pending.times,
+                    "serve_s": t_served - t0,
+                    "checkpoint_s": t1 - t_served,
+                    "publish_s": time.perf_counter() - t1,
+                    "published_at": time.monotonic(),
+                }
+            )
         for listener in self.on_commit:
             listener(record)
         return record
@@ -467,4 +480,3 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
         off near the end comes back, joins again, pulls θ and leaves); False on timeout."""
         with self._cv:
             return self._cv.wait_for(lambda: self._open >= self.cfg.total_rounds and not self._members.not_left, timeout=timeout_s)
-

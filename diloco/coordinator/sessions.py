@@ -55,7 +55,17 @@ class SiteSessions:
     _install: Callable[[Mapping[str, torch.Tensor], str], None]
     _checkpoint_state: Callable[..., dict[str, Any]]
 
-    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0, fragment_split: str = "") -> JoinInfo:
+    def join(
+        self,
+        site_id: str,
+        specs: Iterable[TensorSpec],
+        *,
+        can_upload: bool = False,
+        sync_every: int = 0,
+        codec: str = "",
+        fragments: int = 0,
+        fragment_split: str = "",
+    ) -> JoinInfo:
         """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
         first site that can upload becomes its source (``JoinInfo.upload_init``); the others
         wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
@@ -96,7 +106,9 @@ class SiteSessions:
             raise CoordinatorError("permission_denied", f"site {site_id!r} is not one of this run's sites ({', '.join(self.cfg.sites)})")
         known = self._members.known
         if self.cfg.sites is None and self.cfg.max_sites is not None and site_id not in known and len(known) >= self.cfg.max_sites:
-            raise CoordinatorError("permission_denied", f"this run has {self.cfg.max_sites} site(s), all taken ({', '.join(sorted(known))}); site {site_id!r} may not join")
+            raise CoordinatorError(
+                "permission_denied", f"this run has {self.cfg.max_sites} site(s), all taken ({', '.join(sorted(known))}); site {site_id!r} may not join"
+            )
 
     def _admit(self, site_id: str) -> None:
         self._members.join(site_id)
@@ -107,21 +119,32 @@ class SiteSessions:
 
     def _join_info(self, upload_init: bool = False) -> JoinInfo:
         return JoinInfo(
-            total_rounds=self.cfg.total_rounds, run_id=self.run_id, lease_s=self.cfg.quorum.lease_s, upload_init=upload_init, eval_every=self.cfg.site_eval_every
+            total_rounds=self.cfg.total_rounds,
+            run_id=self.run_id,
+            lease_s=self.cfg.quorum.lease_s,
+            upload_init=upload_init,
+            eval_every=self.cfg.site_eval_every,
         )
 
     def _check_settings(self, site_id: str, sync_every: int, codec: str, fragments: int = 0, fragment_split: str = "") -> None:
         """A site that says its H, its fragments (their number and split) or its uplink codec must say the coordinator's."""
         if fragments and fragments != self.cfg.fragments:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} has fragments={fragments}, this run has fragments={self.cfg.fragments}: use the run's value")
+            raise CoordinatorError(
+                "invalid_argument", f"site {site_id!r} has fragments={fragments}, this run has fragments={self.cfg.fragments}: use the run's value"
+            )
         if fragment_split and self.cfg.fragments > 1 and fragment_split != self.cfg.fragment_split:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} has fragment_split={fragment_split}, this run has fragment_split={self.cfg.fragment_split}: use the run's value")
+            raise CoordinatorError(
+                "invalid_argument",
+                f"site {site_id!r} has fragment_split={fragment_split}, this run has fragment_split={self.cfg.fragment_split}: use the run's value",
+            )
         if sync_every and self.cfg.sync_every is not None and sync_every != self.cfg.sync_every:
             raise CoordinatorError(
                 "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"
             )
         if codec and self.cfg.codec_up is not None and codec != self.cfg.codec_up:
-            raise CoordinatorError("invalid_argument", f"site {site_id!r} pushes with codec={quote(codec, 80)}, this run's codec is {self.cfg.codec_up}: use the run's codec")
+            raise CoordinatorError(
+                "invalid_argument", f"site {site_id!r} pushes with codec={quote(codec, 80)}, this run's codec is {self.cfg.codec_up}: use the run's codec"
+            )
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """θ₀ from the site that Join chose as its source (init=site): every tensor it declared,

@@ -44,13 +44,21 @@ class CoordinatorMetrics:
         self.pushes_accepted = Counter(p + "pushes_accepted", "Pushes taken into a round (or merged into a later one)", registry=r)
         self.pushes_refused = Counter(p + "pushes_refused", "Pushes not counted, by reason (docs/observability.md)", ["reason"], registry=r)
         self.rpcs = Counter(p + "rpcs", "gRPC calls by method and outcome", ["method", "outcome"], registry=r)
-        self.received = Counter(p + "received_bytes", "Bytes of the request messages received, by method (serialized; HTTP/2 framing excluded)", ["method"], registry=r)
+        self.received = Counter(
+            p + "received_bytes", "Bytes of the request messages received, by method (serialized; HTTP/2 framing excluded)", ["method"], registry=r
+        )
         self.sent = Counter(p + "sent_bytes", "Bytes of the response messages sent, by method (serialized; HTTP/2 framing excluded)", ["method"], registry=r)
         self.push_seconds = Histogram(p + "push_duration_seconds", "Seconds of a push call, first byte to reply", registry=r, buckets=DURATION_BUCKETS)
-        self.pull_seconds = Histogram(p + "pull_duration_seconds", "Seconds of a pull call (update: a round's update; global: θ whole)", ["what"], registry=r, buckets=DURATION_BUCKETS)
+        self.pull_seconds = Histogram(
+            p + "pull_duration_seconds", "Seconds of a pull call (update: a round's update; global: θ whole)", ["what"], registry=r, buckets=DURATION_BUCKETS
+        )
         self.round_seconds = Histogram(p + "round_duration_seconds", "Seconds from a round's opening to its commit", registry=r, buckets=DURATION_BUCKETS)
-        self.commit_seconds = Histogram(p + "commit_duration_seconds", "Seconds of a commit under the lock (mean Δ, outer step, encoding the update)", registry=r, buckets=DURATION_BUCKETS)
-        self.checkpoint_seconds = Histogram(p + "checkpoint_duration_seconds", "Seconds to make a commit durable (its checkpoint written and synced)", registry=r, buckets=DURATION_BUCKETS)
+        self.commit_seconds = Histogram(
+            p + "commit_duration_seconds", "Seconds of a commit under the lock (mean Δ, outer step, encoding the update)", registry=r, buckets=DURATION_BUCKETS
+        )
+        self.checkpoint_seconds = Histogram(
+            p + "checkpoint_duration_seconds", "Seconds to make a commit durable (its checkpoint written and synced)", registry=r, buckets=DURATION_BUCKETS
+        )
         for state in ("active", "evicted", "left"):
             self.sites.labels(state)  # present (at 0) before the first site joins
         for reason in ("late", "duplicate", NORM_BOUND, WITHHELD):

@@ -11,8 +11,8 @@ from typing import Any
 from diloco.observe.config import MetricsConfig, TensorBoardConfig
 from diloco.observe.coordinator_metrics import CoordinatorMetrics
 from diloco.observe.prom import MetricsEndpoint, metrics_tls, serve_metrics
-from diloco.security.config import SecurityConfig
 from diloco.observe.tensorboard import RunBoard, board_dir
+from diloco.security.config import SecurityConfig
 
 
 def written_lines(path: Path) -> list[dict[str, Any]]:

@@ -75,7 +75,15 @@ def _curve(ax, runs: Sequence[RunData], labels: Sequence[str], what: str) -> Non
     if left_out:
         ax.text(0.02, 0.02, "not shown (no bytes communicated): " + "; ".join(left_out), transform=ax.transAxes, fontsize=7, color="#555555")
     if not ax.lines:
-        ax.text(0.5, 0.5, "no points (nothing evaluated)" if key != "train_loss" else "no train loss recorded", transform=ax.transAxes, ha="center", va="center", color="#555555")
+        ax.text(
+            0.5,
+            0.5,
+            "no points (nothing evaluated)" if key != "train_loss" else "no train loss recorded",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="#555555",
+        )
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines and len(runs) > 1:
         ax.legend(fontsize=7)

@@ -74,7 +74,11 @@ class RunData:
     @property
     def eval_metric(self) -> str:
         """eval_bpb where the run has it (bytes data), else eval_loss (nats per token)."""
-        return "eval_bpb" if any(m.get("eval_bpb") is not None for m in self.metrics) or not any(m.get("eval_loss") is not None for m in self.metrics) else "eval_loss"
+        return (
+            "eval_bpb"
+            if any(m.get("eval_bpb") is not None for m in self.metrics) or not any(m.get("eval_loss") is not None for m in self.metrics)
+            else "eval_loss"
+        )
 
     @property
     def site_ids(self) -> list[str]:
@@ -195,5 +199,3 @@ def load_run(path: Path | str) -> RunData:
     # The fault events that fired: summary.json's list, else (a run that did not finish) faults.jsonl.
     faults = list(optional["summary"].get("faults_injected") or []) if optional["summary"] else read_jsonl_tolerant(path / "faults.jsonl")
     return RunData(path, metrics, summary=optional["summary"], config=optional["config"], global_record=optional["global"], workers=workers, faults=faults)
-
-

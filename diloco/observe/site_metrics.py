@@ -24,7 +24,9 @@ class SiteMetrics:
         self.registry = registry if registry is not None else new_registry()
         r, p = self.registry, PREFIX
         Info("diloco_site", "Which site this process is", registry=r).info({"site_id": site_id})
-        self.step_seconds = Histogram(p + "inner_step_duration_seconds", "Seconds of an inner step (forward, backward, optimizer)", registry=r, buckets=DURATION_BUCKETS)
+        self.step_seconds = Histogram(
+            p + "inner_step_duration_seconds", "Seconds of an inner step (forward, backward, optimizer)", registry=r, buckets=DURATION_BUCKETS
+        )
         self.tokens = Counter(p + "tokens", "Tokens this process trained on (every inner step, counted or not)", registry=r)
         self.tokens_per_second = Gauge(p + "tokens_per_second", f"Tokens per second of inner steps, over the last {RATE_WINDOW} steps", registry=r)
         self.inner_loss = Gauge(p + "inner_loss", "Loss of the last inner step, nats per token", registry=r)
@@ -32,7 +34,11 @@ class SiteMetrics:
         self.rounds = Counter(p + "rounds", "Rounds of this site that landed (the update applied, or a dropped push caught up)", registry=r)
         self.round = Gauge(p + "round", "The last round of this site that landed", registry=r)
         self.sync_seconds = Histogram(
-            p + "outer_sync_duration_seconds", "Seconds of each part of an outer sync (delta, encode, push, wait, pull, apply)", ["part"], registry=r, buckets=DURATION_BUCKETS
+            p + "outer_sync_duration_seconds",
+            "Seconds of each part of an outer sync (delta, encode, push, wait, pull, apply)",
+            ["part"],
+            registry=r,
+            buckets=DURATION_BUCKETS,
         )
         self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW)
         self._sync: Any = None  # the site's OuterSync (its stats), once it has joined

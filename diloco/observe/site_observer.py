@@ -26,7 +26,13 @@ class SiteObserver:
 
     @classmethod
     def start(
-        cls, site_id: str, tensorboard: TensorBoardConfig, metrics: MetricsConfig, run_dir: Path, log: Callable[[str], None], security: SecurityConfig | None = None
+        cls,
+        site_id: str,
+        tensorboard: TensorBoardConfig,
+        metrics: MetricsConfig,
+        run_dir: Path,
+        log: Callable[[str], None],
+        security: SecurityConfig | None = None,
     ) -> SiteObserver:
         """The endpoint first (a port in use fails here, before any training), then the board."""
         site_metrics = endpoint = None

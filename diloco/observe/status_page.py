@@ -24,9 +24,9 @@ each with a socket timeout (the TLS handshake too, in the connection's own threa
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
-import base64
 import http.server
 import json
 import re
@@ -41,11 +41,11 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from diloco.io import write_json_atomic
+from diloco.observe.config import EndpointConfig, parse_section
+from diloco.observe.status_state import RunState
 from diloco.security.config import SecurityConfig, is_loopback
 from diloco.security.store import RunCredentials
 from diloco.security.tokens import TokenTable
-from diloco.observe.config import EndpointConfig, parse_section
-from diloco.observe.status_state import RunState
 
 MAX_CONNECTIONS = 16  # connections served at once; more are closed without an answer
 SOCKET_TIMEOUT_S = 10.0  # a connection that sends nothing for this long (TLS handshake included) is dropped
@@ -87,7 +87,11 @@ class PageSecurity:
     def describe(self) -> str:
         if self.context is None:
             return "plaintext" + (", loopback only" if self.loopback else "")
-        needs = [w for w, on in (("a client certificate of the run CA", self.client_certificate), ("a site's bearer token for /status.json", self.tokens is not None)) if on]
+        needs = [
+            w
+            for w, on in (("a client certificate of the run CA", self.client_certificate), ("a site's bearer token for /status.json", self.tokens is not None))
+            if on
+        ]
         return "HTTPS with the run's certificate" + (f"; needs {' and '.join(needs)}" if needs else "")
 
 

@@ -71,7 +71,21 @@ def _num(value: Any) -> float | None:
 
 def _row(m: Mapping[str, Any]) -> dict[str, Any]:
     """The fields of a metrics line the page shows (numbers that are not finite as null)."""
-    keys = ("round", "participants", "absent", "evicted", "tokens", "train_loss", "eval_loss", "eval_bpb", "bytes_up", "bytes_down", "wall_s", "elapsed_s", "rejected")
+    keys = (
+        "round",
+        "participants",
+        "absent",
+        "evicted",
+        "tokens",
+        "train_loss",
+        "eval_loss",
+        "eval_bpb",
+        "bytes_up",
+        "bytes_down",
+        "wall_s",
+        "elapsed_s",
+        "rejected",
+    )
     return {**{k: _num(m.get(k)) if isinstance(m.get(k), float) else m.get(k) for k in keys}, "written": m.get("written", True)}
 
 

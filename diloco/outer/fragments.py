@@ -55,7 +55,9 @@ def split_fragments(shapes: Mapping[str, Sequence[int]], fragments: int, how: st
         return _balanced(shapes, names, fragments)
     layers = sorted({i for i in (layer_of(n) for n in names) if i is not None})
     if len(layers) < fragments:
-        raise ValueError(f"fragments={fragments}: the model has only {len(layers)} layer(s) (numbered parameter names), so at most fragments={max(len(layers), 1)}")
+        raise ValueError(
+            f"fragments={fragments}: the model has only {len(layers)} layer(s) (numbered parameter names), so at most fragments={max(len(layers), 1)}"
+        )
     slot = {layer: k % fragments for k, layer in enumerate(layers)}
     parts: list[list[str]] = [[] for _ in range(fragments)]
     size = [0] * fragments

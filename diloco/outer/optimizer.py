@@ -15,6 +15,7 @@ from diloco.outer.schedule import OuterSchedule
 
 MOMENTUM_OPTIMIZERS = ("SGD", "DelayedNesterov")  # those whose momentum a schedule can set
 
+
 @dataclass(frozen=True)
 class OuterConfig:
     """Any torch.optim optimizer by class name, or ``DelayedNesterov``; the default is DiLoCo's
@@ -141,7 +142,9 @@ class OuterOptimizer:
     restored optimizer goes on with exactly the values it would have had.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], cfg: OuterConfig, steps: int | None = None, fragments: int = 1, average_from: int | None = None) -> None:
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], cfg: OuterConfig, steps: int | None = None, fragments: int = 1, average_from: int | None = None
+    ) -> None:
         self.names = sorted(params)
         self.params = {n: params[n].detach().clone().float() for n in self.names}
         self.cfg = cfg

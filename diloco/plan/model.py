@@ -373,7 +373,9 @@ def run_utilization(p: Plan, rounds: int, *, tail: bool = True, flush: bool = Tr
         raise PlanError(f"rounds={rounds!r}: must be an integer >= 1")
     pred = predict(p)
     last_steady = pred.stall_s / pred.syncs_per_round  # what the last sync would stall in the steady state
-    last_whole = _stall(_pieces(replace(p, overlap_steps=0, outer_mode="blocking"), pred.syncs_per_round - 1), p.params, _link(p)) if p.mode != "ddp" else last_steady
+    last_whole = (
+        _stall(_pieces(replace(p, overlap_steps=0, outer_mode="blocking"), pred.syncs_per_round - 1), p.params, _link(p)) if p.mode != "ddp" else last_steady
+    )
     if not tail:
         return rounds * pred.compute_s / (rounds * pred.round_s - last_steady)
     flushes = (p.fragments - 1) * _push_leg(p) if p.mode != "ddp" and flush else 0.0

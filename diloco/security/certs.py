@@ -13,7 +13,7 @@ import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -111,9 +111,7 @@ def not_valid_after(pem: bytes) -> datetime:
     return x509.load_pem_x509_certificate(pem).not_valid_after_utc
 
 
-def _issue(
-    ca: Pem, cn: str, names: list[x509.GeneralName], usage: x509.ObjectIdentifier, days: float, not_before: datetime | None
-) -> Pem:
+def _issue(ca: Pem, cn: str, names: list[x509.GeneralName], usage: x509.ObjectIdentifier, days: float, not_before: datetime | None) -> Pem:
     """An end-entity certificate signed by ``ca``; it expires no later than the CA."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert)
     ca_key = serialization.load_pem_private_key(ca.key, password=None)
@@ -133,14 +131,12 @@ def _issue(
     return _pem(builder.sign(ca_key, hashes.SHA256()), key)  # type: ignore[arg-type]
 
 
-def _validity(
-    builder: x509.CertificateBuilder, days: float, not_before: datetime | None, cap: datetime | None
-) -> x509.CertificateBuilder:
+def _validity(builder: x509.CertificateBuilder, days: float, not_before: datetime | None, cap: datetime | None) -> x509.CertificateBuilder:
     if not 0 < days <= MAX_DAYS:
         raise ValueError(f"days={days!r}: a certificate's validity must be more than 0 and at most {MAX_DAYS} days")
     if not_before is not None and not_before.tzinfo is None:
         raise ValueError(f"not_before={not_before!r}: give a timezone-aware datetime")
-    start = not_before if not_before is not None else datetime.now(timezone.utc) - CLOCK_SKEW
+    start = not_before if not_before is not None else datetime.now(UTC) - CLOCK_SKEW
     end = start + timedelta(days=days)
     return builder.not_valid_before(start).not_valid_after(end if cap is None else min(end, cap))
 

@@ -55,9 +55,7 @@ class SecurityConfig:
         if self.insecure or is_loopback(host):
             return
         if not self.uses_tls:
-            raise ValueError(
-                f"{role} on {host}: plaintext is refused off loopback; give security.dir (diloco-certs writes it) or set security.insecure=true"
-            )
+            raise ValueError(f"{role} on {host}: plaintext is refused off loopback; give security.dir (diloco-certs writes it) or set security.insecure=true")
 
 
 def is_loopback(host: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 MAX_SITE_ID = 63
-_SITE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,%d}" % (MAX_SITE_ID - 1))
+_SITE_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_SITE_ID - 1}}}")
 SITE_ID_RULE = f"1-{MAX_SITE_ID} characters of A-Z a-z 0-9 _ . -, starting with a letter or digit"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from diloco.security.certs import Pem, check_pem, issue_server, issue_site, make_ca, not_valid_after, site_id_of_cert
@@ -101,9 +101,7 @@ class RunCredentials:
         return tuple(sorted(n for n in names if site_id_problem(n) is None))
 
 
-def write_run_credentials(
-    dir: Path | str, site_ids: Sequence[str], hosts: Sequence[str], days: float = DEFAULT_DAYS, force: bool = False
-) -> RunCredentials:
+def write_run_credentials(dir: Path | str, site_ids: Sequence[str], hosts: Sequence[str], days: float = DEFAULT_DAYS, force: bool = False) -> RunCredentials:
     """Creates a run's credentials in ``dir``: a new CA, the coordinator's certificate for
     ``hosts``, and a certificate and token per site, all valid ``days`` days. Refuses
     (FileExistsError) a directory that already holds credentials unless ``force``;
@@ -135,7 +133,7 @@ def add_sites(dir: Path | str, site_ids: Sequence[str], days: float = DEFAULT_DA
     ids = _new_ids(site_ids)
     ca = check_pem(Pem(_read(creds.ca_cert), _read(creds.ca_key)), str(creds.ca_key))
     expiry = not_valid_after(ca.cert)
-    if expiry <= datetime.now(timezone.utc):
+    if expiry <= datetime.now(UTC):
         raise ValueError(f"{creds.ca_cert}: the run CA expired at {expiry:%Y-%m-%d %H:%M} UTC; create new credentials")
     table = creds.token_table()
     taken = sorted(set(ids) & (table.sites | set(creds.site_ids())))

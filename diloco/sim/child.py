@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 from diloco.app.config import run_config_from_dict
-from diloco.site.device import flush_denormals
+from diloco.io import exit_process
 from diloco.observe.config import MetricsConfig
 from diloco.observe.logs import setup_logging
 from diloco.observe.status_page import StatusConfig
 from diloco.sim.faults import FAULTS_FILE, FaultPlan, SiteFaults, coordinator_hooks, faults_from_file
-from diloco.io import exit_process
+from diloco.site.device import flush_denormals
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,21 +16,36 @@ from typing import Any
 
 from diloco.app.config import RunConfig, run_config_to_dict
 from diloco.data import load_corpus
-from diloco.site.device import resolve_device
-from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_dict
 from diloco.io import write_json_atomic
 from diloco.observe.logs import log_at
 from diloco.observe.progress import ProgressConfig
-from diloco.observe.status_page import access_hint
 from diloco.observe.rundata import PLOTS_DIR
+from diloco.observe.status_page import access_hint
 from diloco.observe.tensorboard import TB_DIR
 from diloco.security.store import write_run_credentials
+from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_dict
 from diloco.sim.links import WanPlan
-from diloco.sim.processes import CHILD, PIDS_FILE, SITE_NICE, Proc, SimError, SimStopped, child_env, describe_wan, fired_events, next_incarnation, start_process, start_wan, stop_all, wait_port
+from diloco.sim.processes import (
+    CHILD,
+    PIDS_FILE,
+    SITE_NICE,
+    Proc,
+    SimError,
+    SimStopped,
+    child_env,
+    describe_wan,
+    fired_events,
+    next_incarnation,
+    start_process,
+    start_wan,
+    stop_all,
+    wait_port,
+)
 from diloco.sim.sections import check_before_start, sim_faults
 from diloco.sim.summary import summarize
 from diloco.sim.supervise import SITES_DONE_FILE, live_progress, supervise
 from diloco.sim.zygote import Zygote
+from diloco.site.device import resolve_device
 
 __all__ = ["SimError", "SimStopped", "run_simulation"]
 
@@ -209,11 +224,27 @@ def _start_processes(
         for s in range(cfg.sites):
             ranks = cfg.layout_of(s).ranks
             # A site of several ranks is a torchrun group, as in a real run.
-            launcher = base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
-            site = launcher + ["site", *common, "--site-id", str(s), "--coordinator-port-file", str(site_port_files[str(s)]), "--checkpoint-dir", str(run_dir / "checkpoints" / f"site-{s}"), *metrics(f"site-{s}", 0)]
+            launcher = (
+                base if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "diloco.sim.child"]
+            )
+            site = launcher + [
+                "site",
+                *common,
+                "--site-id",
+                str(s),
+                "--coordinator-port-file",
+                str(site_port_files[str(s)]),
+                "--checkpoint-dir",
+                str(run_dir / "checkpoints" / f"site-{s}"),
+                *metrics(f"site-{s}", 0),
+            ]
             # Behind the emulator, sites yield the cores to it: its deliveries (the links' RTT)
             # must not wait for a training step (docs/wan.md).
-            procs.append(start_process(f"site {s}", site, run_dir, next_incarnation(run_dir, f"site {s}"), fired_events(run_dir), nice=SITE_NICE if wan else 0, zygote=zygote))
+            procs.append(
+                start_process(
+                    f"site {s}", site, run_dir, next_incarnation(run_dir, f"site {s}"), fired_events(run_dir), nice=SITE_NICE if wan else 0, zygote=zygote
+                )
+            )
         coordinator_proc = next(p for p in procs if p.name == "coordinator")
         port = wait_port(port_file, coordinator_proc, deadline=start + 120)
         coordinator_proc.cmd += ["--port", str(port)]  # a restarted coordinator listens where the sites call

@@ -59,9 +59,23 @@ def start_wan(wan: WanPlan, run_dir: Path, upstream: Path, procs: list[Proc], de
     wan_dir = run_dir / WAN_DIR
     shutil.rmtree(wan_dir, ignore_errors=True)
     wan_dir.mkdir(parents=True)
-    spec = {"upstream_port_file": str(upstream), "links": {s: l.to_dict() for s, l in wan.sites.items()}, "coordinator": wan.coordinator.to_dict() if wan.coordinator else None}
+    spec = {
+        "upstream_port_file": str(upstream),
+        "links": {s: link.to_dict() for s, link in wan.sites.items()},
+        "coordinator": wan.coordinator.to_dict() if wan.coordinator else None,
+    }
     write_json_atomic(wan_dir / "spec.json", spec)
-    cmd = [sys.executable, "-m", "diloco.sim.wan", "--spec", str(wan_dir / "spec.json"), "--ports-out", str(wan_dir / "ports.json"), "--stats-out", str(wan_dir / "stats.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco.sim.wan",
+        "--spec",
+        str(wan_dir / "spec.json"),
+        "--ports-out",
+        str(wan_dir / "ports.json"),
+        "--stats-out",
+        str(wan_dir / "stats.json"),
+    ]
     proc = start_process("wan", cmd, run_dir, extra=False)
     proc.service = True
     procs.append(proc)
@@ -82,8 +96,14 @@ def start_wan(wan: WanPlan, run_dir: Path, upstream: Path, procs: list[Proc], de
 
 def describe_wan(wan: WanPlan) -> str:
     def one(spec: LinkSpec) -> str:
-        rate = "unlimited" if spec.up_mbit is None and spec.down_mbit is None else f"{spec.up_mbit or 'unlimited'}/{spec.down_mbit or 'unlimited'} Mbit/s up/down"
-        return f"{rate}, RTT {spec.rtt_ms:g} ms" + (f" ± {spec.jitter_ms:g} ms" if spec.jitter_ms else "") + (f", window {spec.window_kb:g} KiB per connection" if spec.window_kb else "")
+        rate = (
+            "unlimited" if spec.up_mbit is None and spec.down_mbit is None else f"{spec.up_mbit or 'unlimited'}/{spec.down_mbit or 'unlimited'} Mbit/s up/down"
+        )
+        return (
+            f"{rate}, RTT {spec.rtt_ms:g} ms"
+            + (f" ± {spec.jitter_ms:g} ms" if spec.jitter_ms else "")
+            + (f", window {spec.window_kb:g} KiB per connection" if spec.window_kb else "")
+        )
 
     distinct = {one(spec) for spec in wan.sites.values()}
     sites = f"each site {distinct.pop()}" if len(distinct) == 1 else "; ".join(f"site {s}: {one(spec)}" for s, spec in wan.sites.items())

@@ -13,7 +13,6 @@ from diloco.sim.faults import read_fired
 from diloco.sim.links import WanPlan
 
 
-
 def summarize(cfg: RunConfig, run_dir: Path, wall_s: float, wan: WanPlan | None = None) -> dict[str, Any]:
     g = records.read(run_dir / "global.json", GlobalRecord)
     workers = {p.stem: records.read(p, WorkerRecord) for p in sorted((run_dir / "workers").glob("*.json"))}

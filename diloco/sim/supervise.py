@@ -19,12 +19,13 @@ from diloco.sim.processes import Proc, SimError, failure, fired_events, is_torch
 SITES_DONE_FILE = "sites_done"  # <run dir>/sites_done: touched once every site process has exited (the coordinator stops lingering)
 
 
-
 def live_progress(cfg: RunConfig, live: ProgressConfig | None, say: Callable[[str], None]) -> LiveProgress:
     """The run's progress bar (or plain lines): the open round's inner steps across the sites
     (mode=diloco: the baselines' ranks write no progress files)."""
     schedule = cfg.schedule
-    tracker = ProgressTracker(rounds=cfg.sync_rounds, sites=cfg.sites, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds, early=schedule.early)
+    tracker = ProgressTracker(
+        rounds=cfg.sync_rounds, sites=cfg.sites, round_steps=schedule.round_steps, train_rounds=schedule.train_rounds, early=schedule.early
+    )
     return LiveProgress(live if live is not None and cfg.mode == "diloco" else OFF, say, tracker, label="sites")
 
 

@@ -253,7 +253,9 @@ class WanEmulator:
                     side.close()  # after what is still buffered for it was written
             stats["open"] -= 1
 
-    def _direction(self, src: Side, dst: Side, hops: list[Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float, rtt: float) -> list[asyncio.Task[None]]:
+    def _direction(
+        self, src: Side, dst: Side, hops: list[Hop], stats: dict[str, Any], counter: str, seed: str, not_before: float, rtt: float
+    ) -> list[asyncio.Task[None]]:
         """The tasks that carry one direction: one per shaping hop, then the delivery; the last
         one ends when the EOF was delivered or the destination is gone. The connection's
         window (the smallest of its hops') is kept at the first hop, each segment
@@ -329,7 +331,7 @@ def emulator_from_spec(spec: Mapping[str, Any]) -> WanEmulator:
 
 def _address(d: object, where: str) -> Address:
     if not isinstance(d, Mapping) or not isinstance(d.get("host"), str) or not isinstance(d.get("port"), int) or not 0 < d["port"] < 65536:
-        raise ValueError(f"{where}={d!r}: must be {{\"host\": str, \"port\": 1..65535}}")
+        raise ValueError(f'{where}={d!r}: must be {{"host": str, "port": 1..65535}}')
     return d["host"], d["port"]
 
 

@@ -85,7 +85,9 @@ def exchange(
             stats.bytes_up += result.payload_bytes
             times["bytes_up"] = result.payload_bytes
             if result.refused or result.clipped:
-                log(f"site {site}: round {r} push {'not counted' if result.refused else 'counted scaled down'} by the coordinator: {result.refused or result.clipped}")
+                log(
+                    f"site {site}: round {r} push {'not counted' if result.refused else 'counted scaled down'} by the coordinator: {result.refused or result.clipped}"
+                )
             applied = RoundOutcome(refused=True) if result.refused else APPLIED
             if result.merged_into:
                 # Late, but merged into the open round (quorum.late=merge): it counted; go on from

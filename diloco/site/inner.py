@@ -113,9 +113,7 @@ class InnerTrainer:
     ``total_steps`` is the length of the whole run (rounds × H) for the lr schedule.
     """
 
-    def __init__(
-        self, model: nn.Module, cfg: InnerConfig, total_steps: int, optimizer: torch.optim.Optimizer | None = None, layout: Any = None
-    ) -> None:
+    def __init__(self, model: nn.Module, cfg: InnerConfig, total_steps: int, optimizer: torch.optim.Optimizer | None = None, layout: Any = None) -> None:
         self.model = model
         self.layout = layout  # a site layout (diloco.site.layouts): its own forward/backward and clipping
         self.cfg = cfg

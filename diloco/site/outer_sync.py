@@ -14,12 +14,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from diloco.boxes import Box
 from diloco.codec import CodecConfig, best_settings, codec_config, get_codec, is_lossless
 from diloco.outer import ErrorFeedback, OuterConfig, apply_update, nonfinite_count, params_sha256, pseudo_gradient
 from diloco.outer.eager import EAGER_WEIGHT, EagerStart, check_eager_outer
@@ -29,10 +30,9 @@ from diloco.site.heartbeat import Heartbeat
 from diloco.site.host_copy import HostMirror
 from diloco.site.layouts.base import ParallelModel
 from diloco.site.outcome import RoundOutcome
-from diloco.site.stripes import StripedPull, box_values, stripe_boxes
 from diloco.site.stats import SyncStats
+from diloco.site.stripes import StripedPull, box_values, stripe_boxes
 from diloco.transport import CoordinatorClient, retrying
-from diloco.boxes import Box
 from diloco.types import Chunk, JoinInfo, PushHeader, SiteEval
 from diloco.wire import MAX_CHUNK_BYTES, ChunkAssembler, SliceAssembler, encode_chunks
 
@@ -367,7 +367,11 @@ class OuterSync:
         chunks = [c for _, part in parts for c in part]
         residual = None
         if self.feedback is not None:
-            sent = ChunkAssembler({n: self._specs[n] for n in pushed}) if self._want is None else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
+            sent = (
+                ChunkAssembler({n: self._specs[n] for n in pushed})
+                if self._want is None
+                else SliceAssembler(self._specs, {n: h.box for n, h in pushed.items()})
+            )
             residual = ErrorFeedback.error(delta, assemble(chunks, sent).finish())
         times = {"round": r, "delta_s": t1 - t0, "encode_s": time.perf_counter() - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
         return PendingRound(header, chunks, residual, times, names=names, delta=own, parts=parts, at_push=at_push)
@@ -437,7 +441,15 @@ class OuterSync:
             self.before_push(pending.header.round)
         pulls, assembler = self._pull_plan(pending.names)
         pending.outcome, pending.update = exchange(
-            self.client, pending.parts or [(pending.header, pending.chunks)], pulls, assembler, self.options.timeouts, self.stats, pending.times, self._log, on_committed
+            self.client,
+            pending.parts or [(pending.header, pending.chunks)],
+            pulls,
+            assembler,
+            self.options.timeouts,
+            self.stats,
+            pending.times,
+            self._log,
+            on_committed,
         )
         return pending
 

@@ -13,9 +13,9 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from diloco.errors import RemoteError  # noqa: E402
 from diloco.transport.client import CoordinatorClient, PullCall  # noqa: E402
+from diloco.transport.limits import ServerLimits  # noqa: E402
 from diloco.transport.protocol import CoordinatorService  # noqa: E402
 from diloco.transport.retry import Backoff, retrying  # noqa: E402
-from diloco.transport.limits import ServerLimits  # noqa: E402
 from diloco.transport.server import Server, serve  # noqa: E402
 
 __all__ = ["Backoff", "CoordinatorClient", "PullCall", "CoordinatorService", "RemoteError", "Server", "ServerLimits", "retrying", "serve"]

@@ -102,10 +102,22 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0, fragment_split: str = "") -> JoinInfo:
+    def join(
+        self,
+        site_id: str,
+        specs: Iterable[TensorSpec],
+        *,
+        can_upload: bool = False,
+        sync_every: int = 0,
+        codec: str = "",
+        fragments: int = 0,
+        fragment_split: str = "",
+    ) -> JoinInfo:
         """Joins the run; ``sync_every`` and ``codec`` (when given) must match the coordinator's,
         ``can_upload``: this site can send θ₀ if the coordinator has none yet (init=site)."""
-        req = serde.join_request_to_proto(JoinRequest(site_id, tuple(specs), can_upload=can_upload, sync_every=sync_every, codec=codec, fragments=fragments, fragment_split=fragment_split))
+        req = serde.join_request_to_proto(
+            JoinRequest(site_id, tuple(specs), can_upload=can_upload, sync_every=sync_every, codec=codec, fragments=fragments, fragment_split=fragment_split)
+        )
         try:
             # wait_for_ready: a site started before its coordinator waits instead of failing.
             reply = self._stub.Join(req, timeout=self.connect_timeout_s, wait_for_ready=True, metadata=self._md)
@@ -141,7 +153,13 @@ class CoordinatorClient:
         return serde.status_from_proto(reply)
 
     def pull_update(
-        self, site_id: str, round: int, want: Mapping[str, Box] | None = None, lane: int = 0, wait_s: float = 0.0, on_committed: Callable[[], None] | None = None
+        self,
+        site_id: str,
+        round: int,
+        want: Mapping[str, Box] | None = None,
+        lane: int = 0,
+        wait_s: float = 0.0,
+        on_committed: Callable[[], None] | None = None,
     ) -> list[Chunk] | None:
         """Round ``round``'s encoded update; with ``want``, only the chunks overlapping those slices.
         With ``wait_s`` > 0 the coordinator first waits up to that long for the round's commit:

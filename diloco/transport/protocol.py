@@ -13,7 +13,17 @@ from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, S
 
 
 class CoordinatorService(Protocol):
-    def join(self, site_id: str, specs: Iterable[TensorSpec], *, can_upload: bool = False, sync_every: int = 0, codec: str = "", fragments: int = 0, fragment_split: str = "") -> JoinInfo: ...
+    def join(
+        self,
+        site_id: str,
+        specs: Iterable[TensorSpec],
+        *,
+        can_upload: bool = False,
+        sync_every: int = 0,
+        codec: str = "",
+        fragments: int = 0,
+        fragment_split: str = "",
+    ) -> JoinInfo: ...
 
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult: ...
 

@@ -67,9 +67,7 @@ def server_side(cfg: SecurityConfig, host: str) -> tuple[grpc.ServerCredentials 
     server_creds = None
     if cfg.tls:
         own = creds.coordinator_pem()
-        server_creds = grpc.ssl_server_credentials(
-            [(own.key, own.cert)], root_certificates=creds.ca_pem() if cfg.mtls else None, require_client_auth=cfg.mtls
-        )
+        server_creds = grpc.ssl_server_credentials([(own.key, own.cert)], root_certificates=creds.ca_pem() if cfg.mtls else None, require_client_auth=cfg.mtls)
     return server_creds, ServerAuth(mtls=cfg.mtls, tokens=creds.token_table() if cfg.tokens else None)
 
 

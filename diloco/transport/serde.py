@@ -211,11 +211,27 @@ def header_from_proto(m: pb.PushHeader) -> PushHeader:
 
 
 def join_request_to_proto(j: JoinRequest) -> pb.JoinRequest:
-    return pb.JoinRequest(site_id=j.site_id, params=[spec_to_proto(s) for s in j.specs], can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments, fragment_split=j.fragment_split)
+    return pb.JoinRequest(
+        site_id=j.site_id,
+        params=[spec_to_proto(s) for s in j.specs],
+        can_upload=j.can_upload,
+        sync_every=j.sync_every,
+        codec=j.codec,
+        fragments=j.fragments,
+        fragment_split=j.fragment_split,
+    )
 
 
 def join_request_from_proto(m: pb.JoinRequest) -> JoinRequest:
-    return JoinRequest(site_id=m.site_id, specs=tuple(spec_from_proto(s) for s in m.params), can_upload=m.can_upload, sync_every=m.sync_every, codec=m.codec, fragments=m.fragments, fragment_split=m.fragment_split)
+    return JoinRequest(
+        site_id=m.site_id,
+        specs=tuple(spec_from_proto(s) for s in m.params),
+        can_upload=m.can_upload,
+        sync_every=m.sync_every,
+        codec=m.codec,
+        fragments=m.fragments,
+        fragment_split=m.fragment_split,
+    )
 
 
 def boxes_to_proto(want: Mapping[str, Box] | None) -> list[pb.TensorBox]:
@@ -229,13 +245,25 @@ def boxes_from_proto(want: Iterable[pb.TensorBox]) -> dict[str, Box] | None:
 
 def push_result_to_proto(r: PushResult) -> pb.PushReply:
     return pb.PushReply(
-        accepted=r.accepted, duplicate=r.duplicate, round=r.round, payload_bytes=r.payload_bytes, merged_into=r.merged_into, refused=r.refused, clipped=r.clipped
+        accepted=r.accepted,
+        duplicate=r.duplicate,
+        round=r.round,
+        payload_bytes=r.payload_bytes,
+        merged_into=r.merged_into,
+        refused=r.refused,
+        clipped=r.clipped,
     )
 
 
 def push_result_from_proto(m: pb.PushReply) -> PushResult:
     return PushResult(
-        accepted=m.accepted, duplicate=m.duplicate, round=m.round, payload_bytes=m.payload_bytes, merged_into=m.merged_into, refused=m.refused, clipped=m.clipped
+        accepted=m.accepted,
+        duplicate=m.duplicate,
+        round=m.round,
+        payload_bytes=m.payload_bytes,
+        merged_into=m.merged_into,
+        refused=m.refused,
+        clipped=m.clipped,
     )
 
 

@@ -14,14 +14,14 @@ import grpc
 from diloco.errors import CoordinatorError
 from diloco.security.config import SecurityConfig
 from diloco.transport import serde
-from diloco.transport.serde import COMMITTED_KEY
 from diloco.transport.health import Health, enable_reflection
-from diloco.transport.observed import CallObserver, observe_handler
 from diloco.transport.limits import MAX_MESSAGE_BYTES, PerSite, ServerLimits, StreamWatch
+from diloco.transport.observed import CallObserver, observe_handler
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.protocol import CoordinatorService
 from diloco.transport.security import ServerAuth, bind, server_side
+from diloco.transport.serde import COMMITTED_KEY
 from diloco.types import Chunk
 
 _STATUS = {
@@ -74,7 +74,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         with self._as(context, request.site_id):
             try:
                 j = serde.join_request_from_proto(request)
-                info = self._c.join(j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments, fragment_split=j.fragment_split)
+                info = self._c.join(
+                    j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments, fragment_split=j.fragment_split
+                )
             except CoordinatorError as e:
                 _abort(context, e)
         return serde.join_info_to_proto(info)
@@ -132,7 +134,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 # A held pull gets the update while the round's checkpoint is written; its
                 # stream ends only once the round is durable, and the site applies nothing
                 # before its stream has ended well.
-                chunks = self._c.pull_update(request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s, gave_up=gave_up, early=wait_s > 0)
+                chunks = self._c.pull_update(
+                    request.site_id, request.round, serde.boxes_from_proto(request.want), wait_s=wait_s, gave_up=gave_up, early=wait_s > 0
+                )
             except CoordinatorError as e:
                 _abort(context, e)
             if not context.is_active():

@@ -3,7 +3,17 @@ into one message, and the model fingerprint both ends compare. Below the transpo
 the value codecs."""
 
 from diloco.wire.bundles import BUNDLE_CODEC, bundle_chunks, is_bundle
-from diloco.wire.chunks import MAX_CHUNK_BYTES, ChunkAssembler, SliceAssembler, all_finite, check_part, chunks_overlapping, encode_chunks, inner_payload_bytes, unbundled
+from diloco.wire.chunks import (
+    MAX_CHUNK_BYTES,
+    ChunkAssembler,
+    SliceAssembler,
+    all_finite,
+    check_part,
+    chunks_overlapping,
+    encode_chunks,
+    inner_payload_bytes,
+    unbundled,
+)
 from diloco.wire.fingerprint import fingerprint, mismatches
 
 __all__ = [

@@ -72,7 +72,9 @@ def bundle_chunks(chunks: Iterable[Chunk], max_bytes: int, min_chunks: int = MIN
         if len(run) == 1:
             out.append(run[0])
         elif run:
-            out.append(Chunk(name="", shape=(), dtype="", offset=0, numel=len(run), codec=BUNDLE_CODEC, payload=b"".join([_HEAD.pack(MAGIC, len(run)), *pieces])))
+            out.append(
+                Chunk(name="", shape=(), dtype="", offset=0, numel=len(run), codec=BUNDLE_CODEC, payload=b"".join([_HEAD.pack(MAGIC, len(run)), *pieces]))
+            )
         run.clear()
         pieces.clear()
         size = _HEAD.size

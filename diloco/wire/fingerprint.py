@@ -6,8 +6,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from diloco.wire.chunks import dtype_name
 from diloco.types import TensorSpec
+from diloco.wire.chunks import dtype_name
 
 
 def fingerprint(params: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:

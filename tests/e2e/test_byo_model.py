@@ -15,22 +15,22 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_ok
 import torch
+from helpers import run_ok
 
 from diloco.app.config import ConfigError, InitConfig, RunConfig
-from diloco.coordinator.round_policy import QuorumConfig
-from diloco.coordinator import Coordinator, CoordinatorConfig, CoordinatorError
-from diloco.wire.fingerprint import fingerprint
-from diloco.coordinator.init_file import InitFileError, load_init_file
 from diloco.app.coordinator import initial_params
 from diloco.codec import get_codec
-from diloco.wire import encode_chunks
+from diloco.coordinator import Coordinator, CoordinatorConfig, CoordinatorError
+from diloco.coordinator.init_file import InitFileError, load_init_file
+from diloco.coordinator.round_policy import QuorumConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
 from diloco.sim.sections import check_before_start
 from diloco.transport import CoordinatorClient, RemoteError, serve
 from diloco.types import PushHeader
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -66,7 +66,20 @@ def test_init_site_standalone_coordinator_with_two_user_loops(tmp_path: Path) ->
             time.sleep(0.1)
         address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
         for site, seed in (("a", 1), ("b", 2)):
-            args = ["--coordinator", address, "--site-id", site, "--seed", str(seed), "--steps", "15", "--sync-every", "5", "--out", str(tmp_path / f"{site}.json")]
+            args = [
+                "--coordinator",
+                address,
+                "--site-id",
+                site,
+                "--seed",
+                str(seed),
+                "--steps",
+                "15",
+                "--sync-every",
+                "5",
+                "--out",
+                str(tmp_path / f"{site}.json"),
+            ]
             procs.append(_popen([sys.executable, str(ROOT / "tests" / "user_loop_site.py"), *args], tmp_path / f"{site}.log"))
         for p in procs:
             assert p.wait(timeout=150) == 0, "\n".join((tmp_path / n).read_text() for n in logs)
@@ -315,8 +328,10 @@ def test_a_push_with_a_bad_evaluation_is_refused_and_changes_nothing() -> None:
     coord = Coordinator(params, OuterConfig(), CoordinatorConfig(total_rounds=2, min_sites=1, site_eval_every=1))
     coord.join("a", list(fingerprint(params).values()))
     delta = {n: torch.full_like(p, 1e-3) for n, p in params.items()}
-    for bad, why in ((SiteEval(round=0, loss=1.0, tokens=10), r"eval_round=0; committed rounds are 0..-1"),
-                     (SiteEval(round=-1, loss=1.0, tokens=10), "eval_round=-1"),):
+    for bad, why in (
+        (SiteEval(round=0, loss=1.0, tokens=10), r"eval_round=0; committed rounds are 0..-1"),
+        (SiteEval(round=-1, loss=1.0, tokens=10), "eval_round=-1"),
+    ):
         header = PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
         with pytest.raises(CoordinatorError, match=why):
             coord.push(header, encode_chunks(delta, codec=get_codec("fp32")))

@@ -29,7 +29,11 @@ def test_coordinator_and_two_sites_as_console_scripts(tmp_path: Path, layout1: s
     procs: list[subprocess.Popen] = []
     common = list(COMMON)
     if layout1 == "fsdp2":
-        certs = subprocess.run([str(BIN / "diloco-certs"), "--out", str(tmp_path / "creds"), "--sites", "0", "1", "--hosts", "localhost", "127.0.0.1"], capture_output=True, text=True)
+        certs = subprocess.run(
+            [str(BIN / "diloco-certs"), "--out", str(tmp_path / "creds"), "--sites", "0", "1", "--hosts", "localhost", "127.0.0.1"],
+            capture_output=True,
+            text=True,
+        )
         assert certs.returncode == 0, certs.stderr
         common.append(f"security.dir={tmp_path / 'creds'}")
     try:
@@ -93,7 +97,10 @@ def test_site_refused_by_a_coordinator_with_another_model(tmp_path: Path) -> Non
             timeout=50,
         )
         assert site.returncode != 0
-        assert "does not match the coordinator's" in site.stderr and "'blocks.0.attn.k.weight': coordinator has [128, 128] float32, site has [256, 256] float32" in site.stderr
+        assert (
+            "does not match the coordinator's" in site.stderr
+            and "'blocks.0.attn.k.weight': coordinator has [128, 128] float32, site has [256, 256] float32" in site.stderr
+        )
         assert coord.poll() is None  # the coordinator keeps serving
     finally:
         if coord.poll() is None:

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_sim
 
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
-from diloco.site.inner import InnerConfig, InnerTrainer
 from diloco.site.exchange import Timeouts
+from diloco.site.inner import InnerConfig, InnerTrainer
 from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.transport import CoordinatorClient, serve
-from helpers import run_sim
 
 DRY = os.environ.get("DILOCO_TEST_CUDA_ON_CPU") == "1"
 DEVICE = "cpu" if DRY else "cuda"

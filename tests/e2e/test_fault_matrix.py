@@ -23,7 +23,6 @@ participants are what the injected faults imply.
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,13 @@ def network(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    overrides = ["rounds=5", "quorum.min_sites=2", "quorum.deadline=median", "quorum.deadline_factor=1.5", _events("{kind:slow_site,site:2,factor:20,at_round:1}")]
+    overrides = [
+        "rounds=5",
+        "quorum.min_sites=2",
+        "quorum.deadline=median",
+        "quorum.deadline_factor=1.5",
+        _events("{kind:slow_site,site:2,factor:20,at_round:1}"),
+    ]
     return run_ok(tmp_path_factory.mktemp("straggler") / "run", *BASE, *overrides, timeout=280)
 
 

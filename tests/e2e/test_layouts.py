@@ -86,7 +86,16 @@ def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
     # torchrun group goes down, the simulator starts it again, and it redoes round 1.
     kill = "faults.events=[{kind:kill_site,site:1,at_round:1,phase:push,restart_after_s:0.5}]"
     # quorum.min_sites=4: round 0 waits for every site (a torchrun site that starts late would miss it under the majority quorum)
-    overrides = ["sites=4", "sync_every=2", "rounds=2", "data.batch_size=4", "eval_every=100", "site_layouts=[tp2,fsdp2,pp2,single]", "quorum.min_sites=4", kill]
+    overrides = [
+        "sites=4",
+        "sync_every=2",
+        "rounds=2",
+        "data.batch_size=4",
+        "eval_every=100",
+        "site_layouts=[tp2,fsdp2,pp2,single]",
+        "quorum.min_sites=4",
+        kill,
+    ]
     run = run_ok(tmp_path / "run", *overrides, timeout=240)
     summary = run.summary
     assert [(e["process"], e["round"], e["phase"]) for e in summary["faults_injected"]] == [("site 1", 1, "push")]

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from diloco.codec import get_codec, make_codec
-from diloco.wire import ChunkAssembler, encode_chunks
-from diloco.wire.chunks import encoded_bytes
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.wire.fingerprint import fingerprint
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, apply_update, params_sha256
 from diloco.types import PushHeader
+from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire.chunks import encoded_bytes
+from diloco.wire.fingerprint import fingerprint
 
 
 def _theta() -> dict[str, torch.Tensor]:
@@ -72,7 +72,18 @@ def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bo
 def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: Path, codec: str, codec_down: str, extra: list[str]) -> None:
     sim = Path(sys.executable).parent / "diloco-sim"
     name, _, zstd = codec.partition("+")
-    overrides = ["sites=2", "sync_every=2", "rounds=3", "data.batch_size=4", "eval_every=3", f"codec={name}", f"codec.zstd={bool(zstd)}", f"codec_down={codec_down}", "sim.plots=false", *extra]
+    overrides = [
+        "sites=2",
+        "sync_every=2",
+        "rounds=3",
+        "data.batch_size=4",
+        "eval_every=3",
+        f"codec={name}",
+        f"codec.zstd={bool(zstd)}",
+        f"codec_down={codec_down}",
+        "sim.plots=false",
+        *extra,
+    ]
     run = subprocess.run([str(sim), *overrides, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

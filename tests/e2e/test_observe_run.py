@@ -24,7 +24,16 @@ pytestmark = pytest.mark.timeout(180)
 
 CONTEXT = 128  # the tiny model's sequence length
 SITES, H, ROUNDS, BATCH = 2, 3, 6, 4
-ARGS = ["mode=diloco", f"sites={SITES}", f"sync_every={H}", f"rounds={ROUNDS}", f"data.batch_size={BATCH}", "eval_every=2", "sim.timeout_s=150", "sim.plots=false"]
+ARGS = [
+    "mode=diloco",
+    f"sites={SITES}",
+    f"sync_every={H}",
+    f"rounds={ROUNDS}",
+    f"data.batch_size={BATCH}",
+    "eval_every=2",
+    "sim.timeout_s=150",
+    "sim.plots=false",
+]
 
 
 def _site_pids(run_dir: Path, site: str) -> list[int]:
@@ -45,7 +54,15 @@ def _consistent(url: str) -> dict:
     push had arrived) has been counted everywhere (its listeners run after it is published)."""
     while True:
         s = scrape(url)
-        counts = {sample(s, n) for n in ("diloco_coordinator_open_round", "diloco_coordinator_rounds_committed_total", "diloco_coordinator_commit_duration_seconds_count", "diloco_coordinator_checkpoint_duration_seconds_count")}
+        counts = {
+            sample(s, n)
+            for n in (
+                "diloco_coordinator_open_round",
+                "diloco_coordinator_rounds_committed_total",
+                "diloco_coordinator_commit_duration_seconds_count",
+                "diloco_coordinator_checkpoint_duration_seconds_count",
+            )
+        }
         if len(counts) == 1:
             return s
         time.sleep(0.05)
@@ -127,7 +144,13 @@ def test_a_real_run_shows_in_prometheus_health_and_tensorboard(tmp_path: Path) -
     assert [m["round"] for m in lines] == list(range(ROUNDS))
     tb = tb_scalars(run_dir / "tb" / "coordinator")
     totals = [sum(m["tokens"] for m in lines[: r + 1]) for r in range(ROUNDS)]
-    for tag, key in (("loss/train", "train_loss"), ("bytes/up", "bytes_up"), ("bytes/down", "bytes_down"), ("norm/delta", "delta_norm"), ("sites/participants", None)):
+    for tag, key in (
+        ("loss/train", "train_loss"),
+        ("bytes/up", "bytes_up"),
+        ("bytes/down", "bytes_down"),
+        ("norm/delta", "delta_norm"),
+        ("sites/participants", None),
+    ):
         want = [float(len(m["participants"])) if key is None else m[key] for m in lines]
         assert tb[tag] == [(r, pytest.approx(v, rel=1e-6)) for r, v in enumerate(want)], tag
         assert tb["by_tokens/" + tag] == [(t, pytest.approx(v, rel=1e-6)) for t, v in zip(totals, want)], tag

@@ -3,44 +3,81 @@ processes, real gRPC, real SIGKILLs), and plain DiLoCo unchanged by them."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import Run, run_ok
 
-from diloco.app.config import run_config_from_dict
+from diloco.app.config import RunConfig, run_config_from_dict
+from diloco.app.coordinator import CoordinatorOptions, coordinator_config, initial_params
+from diloco.coordinator import Coordinator
+from diloco.data import ShardSampler, load_corpus
+from diloco.model import build_model
 from diloco.sim.launcher import run_simulation
+from diloco.site.inner import InnerTrainer
+from diloco.site.outer_sync import OuterSync, SyncOptions
+from diloco.transport import CoordinatorClient, serve
 
 pytestmark = pytest.mark.timeout(300)
 
-# θ after 2 sites x 3 rounds x H=5 of model=tiny, seed 0, as the code before streaming landed
-# (commit e5c0e69, torch 2.13 CPU) computed it: fragments=1 and overlap_steps=0 must change nothing.
-# By the kernels torch picks for the CPU (torch.backends.cpu.get_cpu_capability()), whose last
-# bits differ: AVX2 recorded on CI's machines, AVX512 by running e5c0e69 itself on one.
-GOLDEN = {
-    "AVX2": {
-        "fp32": "12a01b6a9dfd9a973805d1d2dcc5701ca5df45e46eb83f487682d07ab87f3ada",
-        "int8": "2a55bab369bbacdf482b50109dd3c4beee6d3633d4292ff4a5307b41cb715327",
-    },
-    "AVX512": {
-        "fp32": "124b8e3f24047be3e05090b6e9fca5b79c6415890e9d5f4e9f1ef7142b1700d3",
-        "int8": "2743767d7f01abc5dc72c0a881e8e79439ef5dce3716e1feb1d13915b9ec7662",
-    },
-}
+
+def _plain_diloco_sha256(cfg: RunConfig) -> str:
+    """θ after ``cfg``'s run by plain blocking DiLoCo, computed here in one process: a real
+    coordinator on 127.0.0.1:0 and one thread per site, each training exactly as a simulated site
+    does (its shard, its seed, the run's lr schedule) and syncing with ``OuterSync.sync`` every H
+    steps, with none of the streaming machinery (no RoundLoop, no schedule, no rounds in flight)."""
+    theta0, source = initial_params(cfg)
+    coord = Coordinator(theta0, cfg.outer, coordinator_config(cfg, CoordinatorOptions(port=0), source, evaluates=False))  # type: ignore[arg-type]
+    server, port = serve(coord, "127.0.0.1", 0)
+    errors: list[BaseException] = []
+
+    def site(shard: int) -> None:
+        try:
+            model = build_model(cfg.model, cfg.seed)
+            trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_steps)
+            corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
+            sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
+            options = SyncOptions(codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, sync_every=cfg.sync_every)
+            with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=60) as client:
+                sync = OuterSync(model, client, str(shard), options)
+                sync.join()
+                while not sync.finished:
+                    losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
+                    sync.sync(tokens=cfg.sync_every * sampler.tokens_per_batch, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
+                sync.leave()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            errors.append(e)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # as every simulated process: the same kernels' splits
+    try:
+        threads = [threading.Thread(target=site, args=(s,)) for s in range(cfg.sites)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+    finally:
+        torch.set_num_threads(threads_before)
+        server.stop(grace=None).wait(5)
+    assert not errors, errors
+    assert coord.finished
+    return coord.global_sha256()
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_one_fragment_without_overlap_is_todays_diloco_bit_for_bit(tmp_path: Path, codec: str) -> None:
-    import torch
-
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in GOLDEN:
-        pytest.skip(f"no θ hash of commit e5c0e69 recorded for CPU capability {capability}: run that commit here and add it to GOLDEN")
-    # outer.auto=false: the outer step of the runs of that day (lr 0.7, momentum 0.9, no warm-up).
-    cfg = run_config_from_dict({"sites": 2, "sync_every": 5, "rounds": 3, "codec": codec, "fragments": 1, "overlap_steps": 0, "outer": {"auto": False}})
+    # fragments=1 and overlap_steps=0 through the simulation's streaming-capable loop must give
+    # θ bit for bit as plain blocking DiLoCo computed beside it, on this machine, in this run.
+    # The subnormal flush off: it is a per-process (per-thread) setting the reference would
+    # have to share with the test process.
+    cfg = run_config_from_dict(
+        {"sites": 2, "sync_every": 5, "rounds": 3, "codec": codec, "fragments": 1, "overlap_steps": 0, "eval_every": 100, "inner": {"flush_denormal": False}}
+    )
     summary = run_simulation(cfg, tmp_path / "run", progress=None, plots=False)
     assert summary["hashes_equal"]
-    assert summary["global_sha256"] == GOLDEN[capability][codec]
+    assert summary["global_sha256"] == _plain_diloco_sha256(cfg)
 
 
 def _events(*events: str) -> str:
@@ -60,7 +97,18 @@ def streaming_kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
         "{kind:kill_site,site:1,at_round:3,phase:push,restart_after_s:0.5}",
         "{kind:kill_coordinator,at_round:5,phase:mid,restart_after_s:0.5}",
     )
-    return run_ok(tmp_path_factory.mktemp("streaming") / "run", *BASE, "sync_every=4", "rounds=4", "fragments=2", "overlap_steps=1", "merge=ahead", "codec=int8", events, timeout=280)
+    return run_ok(
+        tmp_path_factory.mktemp("streaming") / "run",
+        *BASE,
+        "sync_every=4",
+        "rounds=4",
+        "fragments=2",
+        "overlap_steps=1",
+        "merge=ahead",
+        "codec=int8",
+        events,
+        timeout=280,
+    )
 
 
 def test_streaming_through_kills_keeps_the_fault_matrix_invariants(streaming_kills: Run) -> None:
@@ -95,7 +143,20 @@ def test_frozen_fragments_end_without_flush_rounds_through_a_restart_among_them(
     # H=4, F=2, τ=1, 3 rounds: 6 coordinator rounds; fragment 0's last round is 4, so site 0,
     # killed while pushing it and started again, finds fragment 0 frozen and trains fragment 1.
     events = _events("{kind:kill_site,site:0,at_round:4,phase:push,restart_after_s:0.5}")
-    run = run_ok(tmp_path / "run", *BASE, "sites=2", "sync_every=4", "rounds=3", "fragments=2", "overlap_steps=1", "merge=ahead", "fragment_end=freeze", "codec=int8", events, timeout=280)
+    run = run_ok(
+        tmp_path / "run",
+        *BASE,
+        "sites=2",
+        "sync_every=4",
+        "rounds=3",
+        "fragments=2",
+        "overlap_steps=1",
+        "merge=ahead",
+        "fragment_end=freeze",
+        "codec=int8",
+        events,
+        timeout=280,
+    )
     summary, metrics = run.summary, run.metrics
     assert [m["fragment"] for m in metrics] == [0, 1] * 3 and summary["rounds_committed"] == 6
     assert all(m["inner_steps"] > 0 for m in metrics)  # no flush round

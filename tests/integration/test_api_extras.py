@@ -17,16 +17,16 @@ from helpers import FakeClock
 
 from diloco.api import DiLoCo, RunFinished, RunFinishedWarning
 from diloco.codec import get_codec
-from diloco.wire import encode_chunks
-from diloco.coordinator.round_policy import QuorumConfig
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.wire.fingerprint import fingerprint
+from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, lm_loss, model_config
 from diloco.outer import OuterConfig, RobustConfig, params_sha256
 from diloco.plugins.common import SiteSettings
 from diloco.transport import CoordinatorClient, serve
 from diloco.types import PushHeader
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = model_config("tiny", context=32, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64)

@@ -8,18 +8,19 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from helpers import expect_refused, small_theta as _theta
+from helpers import expect_refused
+from helpers import small_theta as _theta
 
 from diloco.codec import get_codec
-from diloco.wire import encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.wire.fingerprint import fingerprint
-from diloco.outer import OuterConfig
 from diloco.errors import RemoteError
+from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, ServerLimits, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.types import Chunk, PushHeader, TensorSpec
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 FP32 = get_codec("fp32")
@@ -235,7 +236,7 @@ def test_bad_codec_payloads_are_refused_and_change_nothing(served) -> None:
         (with_w("fp32+zstd", bomb_undeclared), ["content over 48 bytes"]),
     ]
     for chunks, fragments in cases:
-        _expect_refused(lambda: _raw_push(client, header, chunks), "invalid_argument", "chunk of 'layer.w' at elements [0, 12)", *fragments)
+        _expect_refused(lambda: _raw_push(client, header, chunks), "invalid_argument", "chunk of 'layer.w' at elements [0, 12)", *fragments)  # noqa: B023 - called at once
         assert coord.global_sha256() == before
         assert coord.committed_rounds == 0
     # The coordinator keeps serving, and an int8 round commits normally.
@@ -254,7 +255,9 @@ def test_a_withheld_push_crosses_the_wire_and_the_round_goes_on_without_it(serve
     lost = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1, withheld="lost on the way")
     good = list(encode_chunks(_delta(), codec=FP32))
     _expect_refused(lambda: _raw_push(client, lost, good), "invalid_argument", "withheld ('lost on the way') yet carries chunks")
-    _expect_refused(lambda: _raw_push(client, PushHeader(**{**lost.__dict__, "withheld": "x" * 600}), []), "invalid_argument", "withheld: a reason of at most 512")
+    _expect_refused(
+        lambda: _raw_push(client, PushHeader(**{**lost.__dict__, "withheld": "x" * 600}), []), "invalid_argument", "withheld: a reason of at most 512"
+    )
     assert coord.global_sha256() == before and coord.committed_rounds == 0
     result = _raw_push(client, lost, [])
     assert result.accepted and result.refused == "withheld by the site: lost on the way" and result.payload_bytes == 0

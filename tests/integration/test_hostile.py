@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from helpers import expect_refused, small_theta as _theta
+from helpers import expect_refused
+from helpers import small_theta as _theta
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
@@ -141,7 +142,7 @@ def test_a_push_for_round_minus_one_is_not_merged_as_late_work() -> None:
         try:
             s.join("a")
             s.push("a", 0)
-            _refused(lambda: s.push("a", -1), "invalid_argument", "round=-1")
+            _refused(lambda: s.push("a", -1), "invalid_argument", "round=-1")  # noqa: B023 - called at once
             assert s.coord.recent_records()[0]["merged"] == []
         finally:
             s.close()

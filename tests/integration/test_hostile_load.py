@@ -15,8 +15,8 @@ from hostile import HostileLoad, Leaked, legit_site
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.outer import OuterConfig
-from diloco.security.config import SecurityConfig
 from diloco.security.certs import issue_site, make_ca
+from diloco.security.config import SecurityConfig
 from diloco.security.store import write_run_credentials
 from diloco.transport import ServerLimits, serve
 from diloco.wire.fingerprint import fingerprint

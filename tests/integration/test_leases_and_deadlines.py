@@ -5,20 +5,19 @@ evicted pushes are refused with a status that says so and change nothing; a rejo
 from collections.abc import Iterator
 
 import pytest
-from helpers import FakeClock
 import torch
+from helpers import FakeClock
 
 from diloco.codec import get_codec
-from diloco.wire import encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
-from diloco.wire.fingerprint import fingerprint
 from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, RemoteError, serve
 from diloco.types import PushHeader
+from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
-
 
 
 def _theta() -> dict[str, torch.Tensor]:

@@ -37,11 +37,17 @@ def test_every_record_of_a_process_has_time_process_level_and_message() -> None:
     done = _program("text")
     assert done.returncode == 1 and done.stderr == "", done.stderr  # the uncaught exception is a log record too
     records = [r for r in map(parse_line, done.stdout.splitlines()) if r is not None]
-    assert [(r["process"], r["level"]) for r in records] == [("site 7", "INFO"), ("site 7", "WARNING"), ("site 7", "WARNING"), ("site 7", "ERROR"), ("site 7", "CRITICAL")]
+    assert [(r["process"], r["level"]) for r in records] == [
+        ("site 7", "INFO"),
+        ("site 7", "WARNING"),
+        ("site 7", "WARNING"),
+        ("site 7", "ERROR"),
+        ("site 7", "CRITICAL"),
+    ]
     assert [r["message"] for r in records[:2]] == ["hello from the site", "a library's record"]
     assert "UserWarning: careful" in records[2]["message"] and records[3]["message"] == "two"
     lines = done.stdout.splitlines()
-    assert lines[lines.index(next(l for l in lines if l.endswith("ERROR two"))) + 1] == "lines"  # a message's next lines follow it
+    assert lines[lines.index(next(line for line in lines if line.endswith("ERROR two"))) + 1] == "lines"  # a message's next lines follow it
     assert records[4]["message"] == "uncaught exception" and done.stdout.rstrip().endswith("RuntimeError: boom")
     assert LINE.match(lines[0]) and lines[0][:2] == "20" and lines[0][23] == "Z"  # 2026-12-04T21:40:01.123Z
 
@@ -60,7 +66,14 @@ def test_json_mode_writes_one_object_per_line_and_nothing_else() -> None:
 @pytest.fixture(scope="module")
 def json_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(
-        tmp_path_factory.mktemp("json") / "run", "sites=1", "sync_every=1", "rounds=1", "data.batch_size=2", "sim.plots=false", "logging.json=true", "sim.timeout_s=120"
+        tmp_path_factory.mktemp("json") / "run",
+        "sites=1",
+        "sync_every=1",
+        "rounds=1",
+        "data.batch_size=2",
+        "sim.plots=false",
+        "logging.json=true",
+        "sim.timeout_s=120",
     )
 
 

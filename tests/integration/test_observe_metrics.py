@@ -196,11 +196,15 @@ def test_the_coordinator_process_shows_its_rounds_in_tensorboard_metrics_and_hea
         assert sample(last, "diloco_coordinator_rounds_committed_total") == rounds
         assert sample(last, "diloco_coordinator_finished") == 1
         assert sample(last, "diloco_coordinator_pushes_accepted_total") == 2 * rounds
-        assert sample(last, "diloco_coordinator_sent_bytes_total", method="PullUpdate") > sample(one, "diloco_coordinator_sent_bytes_total", method="PullUpdate")
+        assert sample(last, "diloco_coordinator_sent_bytes_total", method="PullUpdate") > sample(
+            one, "diloco_coordinator_sent_bytes_total", method="PullUpdate"
+        )
 
         from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
         names = {s.name for s in next(replies).list_services_response.service}
         assert {"diloco.v1.Coordinator", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
@@ -230,7 +234,14 @@ def test_the_coordinator_process_shows_its_rounds_in_tensorboard_metrics_and_hea
     assert [m["round"] for m in lines] == list(range(rounds))
     tb = tb_scalars(run_dir / "tb" / "coordinator")
     totals = [sum(m["tokens"] for m in lines[: i + 1]) for i in range(rounds)]
-    for tag, key in (("loss/train", "train_loss"), ("bytes/up", "bytes_up"), ("bytes/down", "bytes_down"), ("tokens/round", "tokens"), ("norm/update", "update_norm"), ("time/round_s", "wall_s")):
+    for tag, key in (
+        ("loss/train", "train_loss"),
+        ("bytes/up", "bytes_up"),
+        ("bytes/down", "bytes_down"),
+        ("tokens/round", "tokens"),
+        ("norm/update", "update_norm"),
+        ("time/round_s", "wall_s"),
+    ):
         assert [s for s, _ in tb[tag]] == list(range(rounds)), tag
         assert [v for _, v in tb[tag]] == pytest.approx([m[key] for m in lines], rel=1e-6), tag
         assert [s for s, _ in tb["by_tokens/" + tag]] == totals, tag
@@ -267,7 +278,11 @@ def test_health_needs_no_site_token_and_follows_the_tls_of_the_server(tmp_path: 
                 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
                 with pytest.raises(grpc.RpcError) as off:
-                    next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+                    next(
+                        reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+                        )
+                    )
                 assert off.value.code() == grpc.StatusCode.UNIMPLEMENTED
         finally:
             server.stop(grace=None).wait(5)

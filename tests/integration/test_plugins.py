@@ -108,9 +108,18 @@ def test_hf_trainer_callback_runs_two_rounds(tmp_path) -> None:
     with _coordinator(_gpt2(seed=0)) as (coord, address):
         model = _gpt2(seed=1)
         args = TrainingArguments(
-            output_dir=str(tmp_path / "hf"), max_steps=50, per_device_train_batch_size=BATCH,
-            gradient_accumulation_steps=ACCUMULATE, learning_rate=3e-3, logging_steps=SYNC_EVERY,
-            save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+            output_dir=str(tmp_path / "hf"),
+            max_steps=50,
+            per_device_train_batch_size=BATCH,
+            gradient_accumulation_steps=ACCUMULATE,
+            learning_rate=3e-3,
+            logging_steps=SYNC_EVERY,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
         )
         callback = DiLoCoCallback(coordinator=address, site_id="eu-1", sync_every=SYNC_EVERY)
         trainer = Trainer(model=model, args=args, train_dataset=_Windows(), callbacks=[callback, FirstStep()])
@@ -166,9 +175,16 @@ def test_lightning_callback_runs_two_rounds(tmp_path) -> None:
     with _coordinator(TinyLM(seed=0)) as (coord, address):
         module = TinyLM(seed=1)
         trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_steps=50, accumulate_grad_batches=ACCUMULATE, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=str(tmp_path), callbacks=[DiLoCoLightningCallback(coordinator=address, site_id="us-2", sync_every=SYNC_EVERY), FirstStep()],
+            accelerator="cpu",
+            devices=1,
+            max_steps=50,
+            accumulate_grad_batches=ACCUMULATE,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            callbacks=[DiLoCoLightningCallback(coordinator=address, site_id="us-2", sync_every=SYNC_EVERY), FirstStep()],
         )
         trainer.fit(module, loader)
         records = _check_run(coord, "us-2", module, seen["hash"], _hash(TinyLM(seed=0)))
@@ -203,5 +219,7 @@ def test_bad_arguments_name_the_argument(plugin: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_import_diloco_does_not_import_the_frameworks() -> None:
-    code = "import sys, diloco, diloco.api, diloco.plugins; assert not {'transformers', 'lightning', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules)"
+    code = (
+        "import sys, diloco, diloco.api, diloco.plugins; assert not {'transformers', 'lightning', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)

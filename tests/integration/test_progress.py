@@ -54,7 +54,9 @@ def test_the_tracker_counts_the_open_rounds_steps_across_sites_and_its_etas(fake
 
 def test_plain_lines_at_most_every_s_and_only_when_something_moved(fake_clock: FakeClock) -> None:
     lines: list[str] = []
-    live = LiveProgress(ProgressConfig(mode="lines", every_s=5), lines.append, ProgressTracker(rounds=2, sites=1, round_steps=4), label="site 7", clock=fake_clock)
+    live = LiveProgress(
+        ProgressConfig(mode="lines", every_s=5), lines.append, ProgressTracker(rounds=2, sites=1, round_steps=4), label="site 7", clock=fake_clock
+    )
     assert not live.bar_mode
     live.update(0, {})  # no site has stepped: nothing to say
     assert lines == []
@@ -101,7 +103,12 @@ def test_a_bar_on_a_terminal_redraws_in_place_with_log_lines_above_it(fake_clock
 
 def test_bad_progress_settings_are_named() -> None:
     assert progress_config({"mode": "lines", "every_s": 0}) == ProgressConfig(mode="lines", every_s=0)
-    for values, says in (({"mode": "fancy"}, "progress.mode='fancy'"), ({"every_s": -1}, "progress.every_s=-1"), ({"every_s": "x"}, "progress.every_s='x'"), ({"colour": 1}, "progress.colour")):
+    for values, says in (
+        ({"mode": "fancy"}, "progress.mode='fancy'"),
+        ({"every_s": -1}, "progress.every_s=-1"),
+        ({"every_s": "x"}, "progress.every_s='x'"),
+        ({"colour": 1}, "progress.colour"),
+    ):
         with pytest.raises(ValueError, match=re.escape(says)):
             progress_config(values)
 
@@ -149,8 +156,27 @@ def test_a_site_shows_its_own_progress(tmp_path: Path) -> None:
 def test_diloco_sim_without_a_terminal_prints_plain_progress_lines(tmp_path: Path) -> None:
     """A real run (its stdout a pipe, as in CI): plain progress lines, the round lines, no bar."""
     run_dir = (tmp_path / "run").resolve()
-    args = ["sites=2", "sync_every=3", "rounds=2", "data.batch_size=2", "eval_every=2", "sim.plots=false", "sim.credentials=false", "tensorboard.enabled=false", "metrics.port=null", "progress.every_s=0"]
-    popen = subprocess.Popen([*sim_command(), *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = [
+        "sites=2",
+        "sync_every=3",
+        "rounds=2",
+        "data.batch_size=2",
+        "eval_every=2",
+        "sim.plots=false",
+        "sim.credentials=false",
+        "tensorboard.enabled=false",
+        "metrics.port=null",
+        "progress.every_s=0",
+    ]
+    popen = subprocess.Popen(
+        [*sim_command(), *args, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = popen.communicate(timeout=120)
     finally:

@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import expect_refused, small_theta as _theta
+from helpers import expect_refused
+from helpers import small_theta as _theta
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig

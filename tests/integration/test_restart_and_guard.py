@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from diloco import checkpoint as ck
+from diloco.app.metrics import MetricsReporter
 from diloco.codec import get_codec
-from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.errors import CoordinatorError
-from diloco.wire.fingerprint import fingerprint
-from diloco.coordinator.guard import GuardConfig, SpikeGuard
-from diloco.app.metrics import MetricsReporter
 from diloco.outer import OuterConfig, apply_update, params_sha256
 from diloco.types import PushHeader
+from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -123,7 +123,7 @@ def test_mtls_refuses_a_client_without_a_valid_certificate_of_the_run(creds_dir:
         if case == "another CA":
             client = s.client("0", _copy_with_site_cert(creds_dir, tmp_path, issue_site(make_ca("other", 1), "0", 1)), connect_timeout_s=wait)
         elif case == "expired":
-            old = issue_site(_run_ca(creds_dir), "0", days=1, not_before=datetime.now(timezone.utc) - timedelta(days=3))
+            old = issue_site(_run_ca(creds_dir), "0", days=1, not_before=datetime.now(UTC) - timedelta(days=3))
             client = s.client("0", _copy_with_site_cert(creds_dir, tmp_path, old), connect_timeout_s=wait)
         elif case == "no certificate":
             client = s.client("0", auth="token", connect_timeout_s=wait)  # TLS with the run CA, but no client certificate

@@ -9,12 +9,12 @@ import torch
 
 from diloco.boxes import Box, tiling_problem
 from diloco.codec import CodecError, get_codec
-from diloco.wire import ChunkAssembler, SliceAssembler, encode_chunks
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
-from diloco.wire.fingerprint import fingerprint
 from diloco.outer import OuterConfig
 from diloco.types import PushHeader
+from diloco.wire import ChunkAssembler, SliceAssembler, encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,9 +164,7 @@ def test_the_round_record_says_what_each_part_held() -> None:
     coord.push(_header("a", 0), encode_chunks(d, codec=FP32))
     coord.push(_header("b", 0, part=0, parts=2), _part(d, RANK0, 0))
     coord.push(_header("b", 0, part=1, parts=2), _part(d, RANK1, 0))
-    assert records[0].sliced == {
-        "b": [{"part": 0, "whole": 1, "sliced": 2, "numel": 18 + 2 + 24}, {"part": 1, "whole": 0, "sliced": 2, "numel": 30 + 3}]
-    }
+    assert records[0].sliced == {"b": [{"part": 0, "whole": 1, "sliced": 2, "numel": 18 + 2 + 24}, {"part": 1, "whole": 0, "sliced": 2, "numel": 30 + 3}]}
 
 
 def test_a_site_that_joins_again_pushes_all_its_parts_again() -> None:

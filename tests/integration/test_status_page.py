@@ -13,12 +13,12 @@ import http.client
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import ssl
 import subprocess
 import threading
-import re
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -72,7 +72,9 @@ class Chromium:
         with open(self.log, "wb") as log:
             argv = [str(CHROMIUM), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
                     "--disable-extensions", "--disable-background-networking", f"--user-data-dir={profile}", "--remote-debugging-pipe", *flags, "about:blank"]  # fmt: skip
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=False, preexec_fn=child_fds, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=False, preexec_fn=child_fds, start_new_session=True
+            )
         os.close(to_r)
         os.close(from_w)
         self._cv = threading.Condition()
@@ -135,7 +137,11 @@ class Chromium:
         with self._cv:
             events = [e for e in self.events if e.get("sessionId") == session]
         out = [json.dumps(e["params"]["exceptionDetails"])[:300] for e in events if e["method"] == "Runtime.exceptionThrown"]
-        out += [f"{e['params']['entry'].get('source')}: {e['params']['entry'].get('text')} {e['params']['entry'].get('url', '')}" for e in events if e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] == "error"]
+        out += [
+            f"{e['params']['entry'].get('source')}: {e['params']['entry'].get('text')} {e['params']['entry'].get('url', '')}"
+            for e in events
+            if e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] == "error"
+        ]
         return out
 
     def close(self) -> None:
@@ -300,8 +306,8 @@ def _coordinator(*join: str) -> Coordinator:
 def pages(tmp_path: Path) -> Iterator[Callable[..., StatusPage]]:
     started: list[StatusPage] = []
 
-    def start(security: SecurityConfig = SecurityConfig(), coordinator: Coordinator | None = None, metrics: Path | None = None) -> StatusPage:
-        started.append(serve_status_page(StatusConfig(port=0), security, metrics or tmp_path / "metrics.jsonl", {"sites": 2}))
+    def start(security: SecurityConfig | None = None, coordinator: Coordinator | None = None, metrics: Path | None = None) -> StatusPage:
+        started.append(serve_status_page(StatusConfig(port=0), security or SecurityConfig(), metrics or tmp_path / "metrics.jsonl", {"sites": 2}))
         started[-1].attach(coordinator or _coordinator("0"))
         return started[-1]
 
@@ -328,7 +334,9 @@ def test_over_https_the_page_takes_a_sites_token_from_its_fragment(creds: RunCre
     assert _unexpected(b.errors(tab)) == []
 
 
-def _https(page: StatusPage, creds: RunCredentials, path: str, token: str | None = None, cert: str | None = None, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+def _https(
+    page: StatusPage, creds: RunCredentials, path: str, token: str | None = None, cert: str | None = None, method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
     ctx = ssl.create_default_context(cafile=str(creds.ca_cert))
     if cert is not None:
         files = creds.site_files(cert)
@@ -396,7 +404,10 @@ def test_read_only_loopback_only_in_plaintext_and_json_for_the_page(tmp_path: Pa
     state = json.loads(body)  # strict JSON: the NaN train loss is null
     assert status == 200 and headers["Content-Type"] == "application/json" and headers["Cache-Control"] == "no-store"
     assert state["run"]["state"] == "running" and state["run"]["round"] == 0 and state["run"]["rounds"] == 3
-    assert [(s["id"], s["state"], s["rounds"], s["last_push_round"], s["pushed_open_round"]) for s in state["sites"]] == [("0", "active", 1, 0, False), ("1", "active", 1, 0, True)]
+    assert [(s["id"], s["state"], s["rounds"], s["last_push_round"], s["pushed_open_round"]) for s in state["sites"]] == [
+        ("0", "active", 1, 0, False),
+        ("1", "active", 1, 0, True),
+    ]
     assert state["sites"][0]["pushed_s_ago"] is None and state["sites"][1]["pushed_s_ago"] >= 0
     assert state["rounds"][0]["train_loss"] is None and state["curves"]["bytes_down"] == [7.0]
     for method in ("POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "BREW"):
@@ -447,7 +458,13 @@ def _until_served(page: StatusPage, n: int) -> None:
 
 def test_bad_status_settings_and_a_port_in_use_are_named(tmp_path: Path, pages) -> None:  # type: ignore[no-untyped-def]
     assert status_config({"port": 0, "host": "localhost"}) == StatusConfig(port=0, host="localhost")
-    for values, says in (({"port": "80"}, "status.port='80'"), ({"port": 70000}, "status.port=70000"), ({"port": True}, "status.port=True"), ({"host": ""}, "status.host=''"), ({"colour": 1}, "status.colour")):
+    for values, says in (
+        ({"port": "80"}, "status.port='80'"),
+        ({"port": 70000}, "status.port=70000"),
+        ({"port": True}, "status.port=True"),
+        ({"host": ""}, "status.host=''"),
+        ({"colour": 1}, "status.colour"),
+    ):
         with pytest.raises(ValueError, match=re.escape(says)):
             status_config(values)
     cfg = run_config_from_dict({"sites": 2})

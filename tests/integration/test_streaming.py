@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import RemoteError
 from diloco.outer import OuterConfig
@@ -19,9 +20,8 @@ from diloco.site.loop import RoundLoop
 from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.site.overlap import SyncSchedule
 from diloco.transport import CoordinatorClient, serve
-from diloco.wire import encode_chunks
-from diloco.codec import get_codec
 from diloco.types import PushHeader
+from diloco.wire import encode_chunks
 
 pytestmark = pytest.mark.timeout(60)
 

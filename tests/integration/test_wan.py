@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wan_endpoints import RETRY_PAUSE_S, Upstream, connect, download, judged, rate_mbit, ping_ms, upload, wait_until, wan_process
+from wan_endpoints import RETRY_PAUSE_S, Upstream, connect, download, judged, ping_ms, rate_mbit, upload, wait_until, wan_process
 
 from diloco.sim.links import LinkSpec
 from diloco.sim.wan import WanEmulator, emulator_from_spec
@@ -176,7 +176,9 @@ def test_a_window_limits_each_connection_and_not_the_link(upstream: Upstream, em
     one, one_tries = judged(lambda: streams(1), per_connection, 0.05 * per_connection)
     assert abs(one - per_connection) <= 0.05 * per_connection, f"one connection: {one:.2f} Mbit/s (tries {one_tries}), window/RTT {per_connection:.2f}"
     four, four_tries = judged(lambda: streams(4), 4 * per_connection, 0.05 * 4 * per_connection)
-    assert abs(four - 4 * per_connection) <= 0.05 * 4 * per_connection, f"four connections: {four:.2f} Mbit/s (tries {four_tries}), 4 windows/RTT {4 * per_connection:.2f}"
+    assert abs(four - 4 * per_connection) <= 0.05 * 4 * per_connection, (
+        f"four connections: {four:.2f} Mbit/s (tries {four_tries}), 4 windows/RTT {4 * per_connection:.2f}"
+    )
 
 
 def test_a_new_connection_pays_the_handshake_round_trip(upstream: Upstream, emulate: Callable[..., Any]) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from diloco.security.tokens import TokenTable, new_token, token_hash
 
 pytestmark = pytest.mark.timeout(60)
 
-NOW = datetime.now(timezone.utc)
+NOW = datetime.now(UTC)
 
 
 def cert_of(pem: bytes) -> x509.Certificate:
@@ -90,7 +90,7 @@ def test_validity_expired_certificates_and_the_ca_cap(ca: Pem) -> None:
     assert expired.not_valid_after_utc < NOW
     capped = cert_of(issue_site(ca, "long", days=30).cert)
     assert capped.not_valid_after_utc == cert_of(ca.cert).not_valid_after_utc
-    now = datetime.now(timezone.utc)  # not NOW: collection may be minutes before this test runs
+    now = datetime.now(UTC)  # not NOW: collection may be minutes before this test runs
     fresh = cert_of(make_ca("c", days=1).cert)
     assert fresh.not_valid_before_utc < now < fresh.not_valid_after_utc  # starts a little in the past: clock skew
 
@@ -217,9 +217,9 @@ def test_write_run_credentials_lays_out_the_directory_and_loads_back(tmp_path: P
     creds = write_run_credentials(tmp_path / "run", ["0", "1"], ["localhost", "127.0.0.1"], days=10)
     assert creds == RunCredentials.at(tmp_path / "run")
     names = sorted(str(p.relative_to(creds.dir)) for p in creds.dir.rglob("*"))
-    assert names == ["ca.key", "ca.pem", "coordinator.key", "coordinator.pem", "sites"] + [
-        f"sites/{s}.{e}" for s in "01" for e in ("key", "pem", "token")
-    ] + ["tokens.json"]
+    assert names == ["ca.key", "ca.pem", "coordinator.key", "coordinator.pem", "sites"] + [f"sites/{s}.{e}" for s in "01" for e in ("key", "pem", "token")] + [
+        "tokens.json"
+    ]
     secret = [creds.ca_key, creds.coordinator_key, creds.tokens]
     secret += [p for s in "01" for p in (creds.site_files(s).key, creds.site_files(s).token)]
     assert {p.name: mode(p) for p in secret} == {p.name: 0o600 for p in secret}
@@ -387,9 +387,7 @@ def serving(pem: Pem, root: bytes) -> Iterator[Server]:
     state = Server(port=0)
 
     def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
-        state.calls.append(
-            {"auth": context.auth_context(), "identities": context.peer_identities(), "key": context.peer_identity_key()}
-        )
+        state.calls.append({"auth": context.auth_context(), "identities": context.peer_identities(), "key": context.peer_identity_key()})
         return request
 
     handler = grpc.unary_unary_rpc_method_handler(echo, request_deserializer=_identity, response_serializer=_identity)
@@ -455,9 +453,7 @@ def test_grpc_refuses_clients_without_a_valid_site_certificate(run: RunCredentia
         ("other host", "Hostname Verification Check failed"),
     ],
 )
-def test_grpc_clients_refuse_a_site_certificate_or_another_host_as_the_server(
-    run: RunCredentials, server_cert: str, refusal: str
-) -> None:
+def test_grpc_clients_refuse_a_site_certificate_or_another_host_as_the_server(run: RunCredentials, server_cert: str, refusal: str) -> None:
     ca = Pem(run.ca_pem(), run.ca_key.read_bytes())
     pem = run.site_pem("1") if server_cert == "site" else issue_server(ca, ["coord.example.org"], days=1)
     site = run.site_pem("0")

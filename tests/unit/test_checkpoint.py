@@ -74,11 +74,11 @@ def test_a_restarted_coordinator_resumes_bit_identically(tmp_path: Path) -> None
     """Kill-and-restart at the library level: a new Coordinator restored from the last
     checkpoint continues exactly as the old one would (θ, momentum, downlink residual)."""
     from diloco.codec import get_codec
-    from diloco.wire import encode_chunks
     from diloco.coordinator import Coordinator, CoordinatorConfig
-    from diloco.wire.fingerprint import fingerprint
     from diloco.outer import OuterConfig
     from diloco.types import PushHeader
+    from diloco.wire import encode_chunks
+    from diloco.wire.fingerprint import fingerprint
 
     theta = {"w": torch.linspace(-1, 1, 24).reshape(4, 6), "b": torch.zeros(6)}
     cfg = CoordinatorConfig(total_rounds=4, min_sites=2, codec_down="int8", checkpoint_dir=str(tmp_path / "ck"))

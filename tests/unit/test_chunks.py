@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from diloco.codec import CodecError, get_codec
+from diloco.types import Chunk
 from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.wire.chunks import MAX_CHUNK_BYTES
 from diloco.wire.fingerprint import fingerprint
-from diloco.types import Chunk
 
 pytestmark = pytest.mark.timeout(30)
 FP32 = get_codec("fp32")

@@ -12,9 +12,9 @@ import zstandard
 from helpers import peak_bytes
 
 from diloco.codec import CodecError, get_codec, known_codecs, make_codec
+from diloco.codec.sparse_index import BITMAP, index_format
 from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.wire.chunks import MAX_CHUNK_BYTES
-from diloco.codec.sparse_index import BITMAP, index_format
 from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
@@ -299,8 +299,7 @@ def test_topk_levels_minimize_squared_error() -> None:
     kept = np.sort(x[y != 0].abs().double().numpy())
     assert kept.size == codec.k_for(2500) == 50
     best = min(
-        (((kept[:s] - kept[:s].mean()) ** 2).sum() + ((kept[s:] - kept[s:].mean()) ** 2).sum(), kept[:s].mean(), kept[s:].mean())
-        for s in range(1, kept.size)
+        (((kept[:s] - kept[:s].mean()) ** 2).sum() + ((kept[s:] - kept[s:].mean()) ** 2).sum(), kept[:s].mean(), kept[s:].mean()) for s in range(1, kept.size)
     )
     assert sorted(set(y[y != 0].abs().tolist())) == pytest.approx([best[1], best[2]], rel=1e-6)
 
@@ -486,7 +485,6 @@ def test_topk_header_checks() -> None:
         get_codec("topk2bit").decode(dense[:-1] + bytes([dense[-1] ^ 0x01]), 100)
 
 
-
 @pytest.mark.parametrize("with_size", [True, False])
 def test_zstd_bomb_is_refused_without_inflating(with_size: bool) -> None:
     frame = zstandard.ZstdCompressor(level=3, write_content_size=with_size).compress(bytes(100_000_000))
@@ -495,7 +493,7 @@ def test_zstd_bomb_is_refused_without_inflating(with_size: bool) -> None:
         codec = get_codec(name)
         payload = codec.encode(torch.zeros(10))[:4] + frame
 
-        def decode() -> None:
+        def decode(codec=codec, payload=payload) -> None:  # type: ignore[no-untyped-def]
             with pytest.raises(CodecError, match="declares 100000000 bytes" if with_size else "over"):
                 codec.decode(payload, 10)
 

@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
+from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, OuterOptimizer, OuterStepRefused
 from diloco.types import PushHeader
 from diloco.wire import encode_chunks
-from diloco.codec import get_codec
 from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)

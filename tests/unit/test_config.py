@@ -134,7 +134,8 @@ def test_the_composed_hydra_defaults_are_the_dataclasses_defaults(config_name: s
 
 
 @pytest.mark.parametrize(
-    ("codec", "aggregate", "decay"), [("fp32", "mean", 1.0), ("int8", "mean", 1.0), ("e3m0+zstd", "mean", 1.0), ("topk2bit", "nonzero", 0.8), ("topk2bit+zstd", "nonzero", 0.8)]
+    ("codec", "aggregate", "decay"),
+    [("fp32", "mean", 1.0), ("int8", "mean", 1.0), ("e3m0+zstd", "mean", 1.0), ("topk2bit", "nonzero", 0.8), ("topk2bit+zstd", "nonzero", 0.8)],
 )
 def test_a_codec_brings_its_best_settings_unless_they_are_set(codec: str, aggregate: str, decay: float) -> None:
     from diloco.app.config import run_config_defaults

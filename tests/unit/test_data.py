@@ -196,9 +196,7 @@ def test_data_config_errors_name_the_field(field: str, value: int, expected: str
 
 
 def sampler(corpus: Corpus, shard: int, seed: int, num_shards: int = 4) -> ShardSampler:
-    return ShardSampler(
-        corpus.train, shard=shard, num_shards=num_shards, batch_size=8, context=128, seed=seed
-    )
+    return ShardSampler(corpus.train, shard=shard, num_shards=num_shards, batch_size=8, context=128, seed=seed)
 
 
 def test_shards_are_contiguous_disjoint_and_cover_train(shipped: Corpus) -> None:

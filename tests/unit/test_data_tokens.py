@@ -258,9 +258,7 @@ def test_size_not_a_multiple_of_the_dtype_names_file_and_dtype(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
-def test_token_at_or_above_vocab_names_first_offset_and_value(
-    tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_token_at_or_above_vocab_names_first_offset_and_value(tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data_module, "_SCAN_TOKENS", 1000)  # several chunks, the bad ids in a late one
     ids = np.arange(20_000) % 512
     ids[7_345], ids[9_000] = 600, 512
@@ -321,8 +319,8 @@ def test_sampler_rejects_bad_shard_and_too_small_shards(tmp_path: Path) -> None:
 def test_hydra_config_with_tokens_becomes_a_run_config(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_module
 
-    from diloco.cli.common import SECTIONS, run_config
     from diloco.app.config import ConfigError
+    from diloco.cli.common import SECTIONS, run_config
 
     path = write_tokens(tmp_path / "tokens.bin", np.arange(200_000) % 512, "uint16")
     overrides = ["data.format=tokens", f"data.path='{path}'", "data.dtype=uint16", "data.vocab_size=512", "+model.vocab_size=512"]

@@ -45,7 +45,9 @@ def test_one_fragment_is_every_name_and_round_r_syncs_r_mod_f() -> None:
     assert [fragment_of_round(r, 3) for r in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
-@pytest.mark.parametrize("fragments, why", [(0, "fragments=0: must be an integer >= 1"), (4, "fragments=4: the model has only 3 layer(s)"), (True, "fragments=True")])
+@pytest.mark.parametrize(
+    "fragments, why", [(0, "fragments=0: must be an integer >= 1"), (4, "fragments=4: the model has only 3 layer(s)"), (True, "fragments=True")]
+)
 def test_bad_fragment_counts_are_refused(fragments: object, why: str) -> None:
     with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
         split_fragments(_shapes(), fragments)  # type: ignore[arg-type]
@@ -74,7 +76,10 @@ def test_balanced_fragments_by_hand() -> None:
     assert split_fragments(shapes, 1, "balanced") == (tuple(sorted(shapes)),)
 
 
-@pytest.mark.parametrize("fragments, how, why", [(6, "balanced", "fragments=6: the model has only 5 tensor(s)"), (2, "random", "fragment_split='random': must be one of strided, balanced")])
+@pytest.mark.parametrize(
+    "fragments, how, why",
+    [(6, "balanced", "fragments=6: the model has only 5 tensor(s)"), (2, "random", "fragment_split='random': must be one of strided, balanced")],
+)
 def test_bad_balanced_splits_are_refused(fragments: int, how: str, why: str) -> None:
     shapes = {"blocks.0.a": (6,), "blocks.0.b": (5,), "blocks.1.a": (4,), "blocks.1.b": (3,), "emb": (2,)}
     with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
@@ -116,13 +121,22 @@ def test_the_schedule_of_each_mode() -> None:
         ({"merge": "average"}, "merge='average': must be alpha"),
         ({"streams": 0}, "streams=0: must be an integer in 1..64"),
         ({"outer_mode": "eager", "fragments": 2}, "outer_mode=eager overlaps the whole sync"),
-        ({"outer_mode": "eager", "outer": {"name": "Adam", "lr": 0.01}}, "outer_mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name=Adam)"),
+        (
+            {"outer_mode": "eager", "outer": {"name": "Adam", "lr": 0.01}},
+            "outer_mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name=Adam)",
+        ),
         ({"outer_mode": "eager", "outer": {"kwargs": {"weight_decay": 0.1}}}, "outer.kwargs.weight_decay=0.1"),
         ({"outer_mode": "eager", "eager_weight": -0.5}, "eager_weight=-0.5: must be null (eager 0.5, ahead 0) or a number in [0, 1]"),
-        ({"fragments": 2, "overlap_steps": 1, "merge": "ahead", "outer": {"name": "Adam", "lr": 0.01}}, "merge=ahead follows the outer step's momentum from the updates: it needs outer.name=SGD"),
+        (
+            {"fragments": 2, "overlap_steps": 1, "merge": "ahead", "outer": {"name": "Adam", "lr": 0.01}},
+            "merge=ahead follows the outer step's momentum from the updates: it needs outer.name=SGD",
+        ),
         ({"merge": "ahead", "outer_mode": "delayed"}, "merge=ahead looks ahead of a fragment's round"),
         ({"outer_mode": "eager", "eager_weight": 1.5}, "eager_weight=1.5"),
-        ({"outer_mode": "delayed", "eager_weight": 0.5}, "eager_weight=0.5: only for outer_mode=eager or merge=ahead (this run has outer_mode=delayed, merge=alpha)"),
+        (
+            {"outer_mode": "delayed", "eager_weight": 0.5},
+            "eager_weight=0.5: only for outer_mode=eager or merge=ahead (this run has outer_mode=delayed, merge=alpha)",
+        ),
         ({"fragments": 2, "quorum": {"late": "merge"}}, "fragments=2 cannot be combined with quorum.late=merge"),
         ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
         ({"fragments": 2, "guard": {"factor": 3}}, "fragments=2 cannot be combined with guard.factor"),

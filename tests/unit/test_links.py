@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from diloco.app.config import ConfigError, run_config_from_dict
-from diloco.sim.sections import sim_wan
 from diloco.sim.links import wan_plan
+from diloco.sim.sections import sim_wan
 
 
 def test_nothing_set_is_no_emulation() -> None:

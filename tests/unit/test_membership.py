@@ -8,7 +8,6 @@ from diloco.coordinator.membership import Membership
 pytestmark = pytest.mark.timeout(30)
 
 
-
 def test_heartbeats_keep_the_lease_and_silence_evicts() -> None:
     clock = FakeClock(100.0)
     m = Membership(lease_s=10, clock=clock)

@@ -267,7 +267,9 @@ def test_hydra_composes_each_kind() -> None:
     from diloco.cli.common import SECTIONS, run_config
 
     with initialize_config_module("diloco.conf", version_base=None):
-        custom = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}", "model.kwargs={hidden:16,context:64}", "model.context=64"]), SECTIONS["sim"])
+        custom = run_config(
+            compose("sim", overrides=["model=custom", f"model.factory={MLP}", "model.kwargs={hidden:16,context:64}", "model.context=64"]), SECTIONS["sim"]
+        )
         bare = run_config(compose("sim", overrides=["model=custom", f"model.factory={MLP}"]), SECTIONS["sim"])
         hf = run_config(compose("sim", overrides=["model=hf"]), SECTIONS["sim"])
         hf_wider = run_config(compose("sim", overrides=["model=hf", "model.config.hidden_size=128"]), SECTIONS["sim"])

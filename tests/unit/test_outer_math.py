@@ -100,7 +100,7 @@ def test_params_sha256_depends_on_names_values_and_shapes() -> None:
 def test_weighted_mean_does_not_depend_on_the_order_of_arrival(aggregate: str) -> None:
     g = torch.Generator().manual_seed(3)
     deltas = [{"x": torch.randn(200_000, generator=g) * 10.0 ** float(torch.randint(-4, 2, (1,), generator=g))} for _ in range(6)]
-    for i, d in enumerate(deltas):  # sparse, as a top-k codec leaves them: each site sends a different 5%
+    for d in deltas:  # sparse, as a top-k codec leaves them: each site sends a different 5%
         d["x"][torch.rand(200_000, generator=g) > 0.05] = 0.0
     weights = [4096, 8192, 4096, 12288, 2048, 4096]
     results = []

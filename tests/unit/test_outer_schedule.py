@@ -60,7 +60,9 @@ def test_flush_rounds_average_into_theta_without_the_outer_step() -> None:
     # momentum 0.9, the mean Δ is 1 every round. w: buf 1, w = −0.5; buf 1.9, w = −1.45; then
     # the flush averages: w = −1.45 − 1 = −2.45, its buffer left at 1.9 (an outer step would
     # have moved w by 0.5·(0.9·1.9 + 1) = 1.355 and the buffer to 2.71).
-    outer = OuterOptimizer({"w": torch.zeros(1), "v": torch.zeros(1)}, OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False), steps=3, fragments=2, average_from=4)
+    outer = OuterOptimizer(
+        {"w": torch.zeros(1), "v": torch.zeros(1)}, OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False), steps=3, fragments=2, average_from=4
+    )
     for r, name in enumerate(["w", "v", "w", "v", "w"]):
         update = outer.step({name: torch.ones(1)}, round=r)
     assert float(update["w"]) == -1.0 and float(outer.params["w"]) == pytest.approx(-2.45)

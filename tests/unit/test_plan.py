@@ -294,7 +294,11 @@ def test_plan_from_mapping_refuses_unknown_keys() -> None:
 # the next forward reaches it, H = 100, fragments of 3 strided layers, τ = 1 overlapped step, no
 # latency. Our reading of that setting, for every row; nothing below is fitted per row or cell.
 PAPER = {"topology": "allreduce", "sites": 2, "rtt_ms": 0.0, "sync_every": 100}
-SCALES = {"1B": {"params": 1e9, "step_s": 0.1, "layers": 24}, "10B": {"params": 1e10, "step_s": 0.8, "layers": 48}, "100B": {"params": 1e11, "step_s": 4.9, "layers": 108}}
+SCALES = {
+    "1B": {"params": 1e9, "step_s": 0.1, "layers": 24},
+    "10B": {"params": 1e10, "step_s": 0.8, "layers": 48},
+    "100B": {"params": 1e11, "step_s": 4.9, "layers": 108},
+}
 METHODS = {
     "data-parallel": {"mode": "ddp", "bits": 16},
     "diloco": {"bits": 16},

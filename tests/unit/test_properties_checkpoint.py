@@ -24,9 +24,7 @@ from diloco.site.checkpoint import SiteCheckpointer
 from diloco.site.inner import InnerConfig, InnerTrainer
 
 # Few examples: every one writes files.
-PROPERTY = settings(
-    deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
+PROPERTY = settings(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 HEADER = struct.Struct("<4sIQ32s")  # diloco.checkpoint's file header: magic, version, length, sha256
 
 

@@ -51,7 +51,6 @@ def decode(codec: Any, payload: bytes, numel: int) -> torch.Tensor | CodecError:
     return y
 
 
-
 # ---- any bytes, any numel ------------------------------------------------------------------
 
 

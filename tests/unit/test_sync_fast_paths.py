@@ -164,7 +164,12 @@ def _opt_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     "cfg",
-    [OuterConfig(), OuterConfig(name="Adam", lr=0.01, kwargs={"betas": (0.9, 0.99)}), OuterConfig(name="DelayedNesterov", period=2), OuterConfig(momentum=0.0, nesterov=False)],
+    [
+        OuterConfig(),
+        OuterConfig(name="Adam", lr=0.01, kwargs={"betas": (0.9, 0.99)}),
+        OuterConfig(name="DelayedNesterov", period=2),
+        OuterConfig(momentum=0.0, nesterov=False),
+    ],
     ids=["nesterov", "adam", "delayed", "sgd"],
 )
 def test_the_outer_step_is_bit_for_bit_the_old_one_fragments_and_refusals_included(cfg: OuterConfig) -> None:
@@ -285,7 +290,14 @@ def test_a_tampered_tensor_reference_is_refused_even_with_a_good_checksum(tmp_pa
 
     path = ck.save_checkpoint(tmp_path, 1, {"w": torch.zeros(4096)})
     payload = path.read_bytes()[ck._HEADER.size :]
-    for ref in ([0, 1 << 40, "float32", [1 << 38]], [0, 16384, "float32", [4097]], [0, 16384, "complex64", [2048]], [-64, 16384, "float32", [4096]], "x", [0, 16384, "float32", [-4096]]):
+    for ref in (
+        [0, 1 << 40, "float32", [1 << 38]],
+        [0, 16384, "float32", [4097]],
+        [0, 16384, "complex64", [2048]],
+        [-64, 16384, "float32", [4096]],
+        "x",
+        [0, 16384, "float32", [-4096]],
+    ):
         buf = io.BytesIO()
         torch.save({"w": {ck._RAW_KEY: ref}}, buf)
         skeleton = buf.getvalue()
@@ -356,7 +368,9 @@ def test_the_coordinator_times_each_commit_and_names_the_push_that_closed_it(tmp
 
 def _many() -> dict[str, torch.Tensor]:
     g = _g(3)
-    return {f"layer{i}.{k}": torch.randn(*shape, generator=g) for i in range(6) for k, shape in (("w", (16, 8)), ("b", (8,)), ("norm", (3,)))} | {"emb": torch.randn(300, 300, generator=g)}
+    return {f"layer{i}.{k}": torch.randn(*shape, generator=g) for i in range(6) for k, shape in (("w", (16, 8)), ("b", (8,)), ("norm", (3,)))} | {
+        "emb": torch.randn(300, 300, generator=g)
+    }
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8", "topk2bit+zstd"])
@@ -368,7 +382,9 @@ def test_bundled_chunks_assemble_to_exactly_what_the_plain_ones_do(codec: str) -
     plain = list(encode_chunks(tensors, codec=get_codec(codec), chunk_bytes=1 << 16))
     bundled = bundle_chunks(plain, 1 << 16)
     assert len(bundled) < len(plain) and any(is_bundle(c) for c in bundled) and all(len(c.payload) <= 1 << 16 for c in bundled)
-    assert [(c.name, c.offset, c.numel, c.codec, bytes(c.payload)) for c in unbundled(bundled)] == [(c.name, c.offset, c.numel, c.codec, c.payload) for c in plain]
+    assert [(c.name, c.offset, c.numel, c.codec, bytes(c.payload)) for c in unbundled(bundled)] == [
+        (c.name, c.offset, c.numel, c.codec, c.payload) for c in plain
+    ]
     a, b = ChunkAssembler(specs), ChunkAssembler(specs)
     for c in plain:
         a.add(c)
@@ -422,7 +438,10 @@ def test_the_coordinator_takes_bundled_pushes_and_serves_bundled_pulls(tmp_path:
 
     theta = _many()
     specs = fingerprint(theta)
-    coords = [Coordinator(theta, OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2, checkpoint_dir=str(tmp_path / str(i)), bundle_downlink=bool(i))) for i in range(2)]
+    coords = [
+        Coordinator(theta, OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2, checkpoint_dir=str(tmp_path / str(i)), bundle_downlink=bool(i)))
+        for i in range(2)
+    ]
     site = {n: t.clone() for n, t in theta.items()}
     for coord in coords:
         for s in ("a", "b"):
@@ -482,7 +501,9 @@ def test_a_pushed_chunk_is_read_as_protobuf_reads_it_whatever_its_encoding() -> 
         b"\x12" + bytes([len(body) + 4]) + body + b"\x48\x05\x48\x06",  # box_start unpacked
         b"\x12\x03\x0a\x01\xff",  # a name that is not UTF-8
         b"\x0a\x02\x08\x01",  # a header
-        b"", b"\x12", b"\x12\x05\x0a",
+        b"",
+        b"\x12",
+        b"\x12\x05\x0a",
     ]
     odd += [bytes(rng.randrange(256) for _ in range(rng.randint(0, 60))) for _ in range(400)]
     odd += [canonical[: rng.randint(0, len(canonical))] for _ in range(100)]

@@ -23,7 +23,11 @@ DROP, MERGE = QuorumConfig(late="drop"), QuorumConfig(late="merge", max_stalenes
         (PushFacts(round=1, open_round=3, total_rounds=5, pushed_this_round=False, counted_before=False), MERGE, "merge"),
         (PushFacts(round=0, open_round=3, total_rounds=5, pushed_this_round=False, counted_before=False), MERGE, "late"),  # 3 rounds late > 2
         (PushFacts(round=2, open_round=3, total_rounds=5, pushed_this_round=False, counted_before=True), MERGE, "duplicate"),
-        (PushFacts(round=4, open_round=5, total_rounds=5, pushed_this_round=False, counted_before=False), MERGE, "late"),  # the run is over: nothing to merge into
+        (
+            PushFacts(round=4, open_round=5, total_rounds=5, pushed_this_round=False, counted_before=False),
+            MERGE,
+            "late",
+        ),  # the run is over: nothing to merge into
     ],
 )
 def test_push_verdict(facts: PushFacts, quorum: QuorumConfig, verdict: str) -> None:

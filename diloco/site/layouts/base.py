@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.boxes import Box
-from diloco.wire.fingerprint import fingerprint
 from diloco.site.inner import clip_grad_norm, model_device
 from diloco.types import TensorSpec
+from diloco.wire.fingerprint import fingerprint
 
 
 @dataclass(frozen=True)

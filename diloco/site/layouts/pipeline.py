@@ -98,7 +98,7 @@ class PipelineModel(DistributedModel):
             self._schedule.step()
         if self.tied and self.rank in (0, self.world - 1):
             self._sum_tied_grad()
-        loss = torch.stack([l.detach().float() for l in losses]).mean().reshape(1) if losses else torch.zeros(1)
+        loss = torch.stack([x.detach().float() for x in losses]).mean().reshape(1) if losses else torch.zeros(1)
         dist.broadcast(loss, src=self.world - 1)  # every stage reports the batch's loss
         return float(loss.item())
 
@@ -121,10 +121,7 @@ class PipelineModel(DistributedModel):
                 p.grad.mul_(coef)
 
     def held(self) -> dict[str, Held]:
-        return {
-            n: Held(p.data, Box.whole(p.shape), not (self.tied and n == "tok_emb.weight" and self.rank != 0))
-            for n, p in self.module.named_parameters()
-        }
+        return {n: Held(p.data, Box.whole(p.shape), not (self.tied and n == "tok_emb.weight" and self.rank != 0)) for n, p in self.module.named_parameters()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         parts: list[Any] = [None] * self.world

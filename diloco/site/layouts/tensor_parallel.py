@@ -97,4 +97,3 @@ class TensorFSDPModel(DistributedModel):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return full_dtensor_state(self.module)
-
