@@ -30,6 +30,7 @@ training starts, ``after_step()`` after every optimizer step (or ``step_done()``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import os
@@ -41,13 +42,53 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.codec import CodecConfig
+from diloco.codec import CodecConfig, codec_config
 from diloco.security.config import SecurityConfig
 from diloco.site.exchange import Timeouts
 from diloco.site.outer_sync import OuterSync, SyncOptions
+from diloco.sync import RunSettings
 from diloco.transport import CoordinatorClient
 
 AFTER_LAST_ROUND = ("warn", "raise")
+
+
+class RunNotServed(RuntimeError):
+    """Raised by ``join`` for a run whose settings this object cannot follow (see
+    ``served_problem``); the message names the setting."""
+
+
+def served_problem(settings: RunSettings) -> str | None:
+    """Why the step-hook API cannot serve a run with ``settings``, or None: it runs blocking
+    rounds of the whole model (any H, sync.schedule, every codec and outer step); streaming
+    fragments, overlap, eager/delayed phases and time budgets need diloco-site's round loop."""
+    sync = settings.sync
+    for key, value, plain in (
+        ("sync.fragments", sync.fragments, 1),
+        ("sync.overlap", sync.overlap, 0),
+        ("sync.mode", str(sync.mode), "blocking"),
+        ("sync.budget_s", sync.budget_s, None),
+    ):
+        if value != plain:
+            return f"this run has {key}={value}: DiLoCo(...) and the trainer plug-ins run blocking rounds of the whole model ({key}={plain}); run this site with diloco-site"
+    return None
+
+
+def stated_settings(
+    *, sync_every: int | None, codec: CodecConfig | str | None, error_feedback: bool | None, error_feedback_decay: float | None
+) -> tuple[RunSettings, tuple[str, ...]]:
+    """The site's own settings (the defaults with what is given) and the keys given (stated)."""
+    base = RunSettings.defaults()
+    given: dict[str, object] = {}
+    if sync_every is not None:
+        given["sync"] = dataclasses.replace(base.sync, every=sync_every)
+    if codec is not None:
+        given["codec"] = codec_config(codec)
+    if error_feedback is not None:
+        given["error_feedback"] = error_feedback
+    if error_feedback_decay is not None:
+        given["error_feedback_decay"] = float(error_feedback_decay)
+    keys = {"sync": "sync.every", "codec": "codec", "error_feedback": "error_feedback", "error_feedback_decay": "error_feedback_decay"}
+    return dataclasses.replace(base, **given), tuple(keys[k] for k in given)  # type: ignore[arg-type]
 
 
 class RunFinished(RuntimeError):
@@ -64,12 +105,12 @@ class RunFinishedWarning(UserWarning):
 
 def check_site_args(site_id: object, sync_every: object, tokens_per_step: object = 1) -> None:
     """Raises ValueError, naming the argument, for an empty ``site_id``, a ``sync_every``
-    below 1 or a ``tokens_per_step`` below 1 (``None`` is allowed for tokens_per_step:
-    the plug-ins then count tokens themselves)."""
+    below 1 (``None``: the run's) or a ``tokens_per_step`` below 1 (``None`` is allowed for
+    tokens_per_step: the plug-ins then count tokens themselves)."""
     if site_id is None or not str(site_id).strip():
         raise ValueError(f"site_id={site_id!r}: must be a non-empty string")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every={sync_every!r}: must be >= 1")
+    if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+        raise ValueError(f"sync_every={sync_every!r}: must be None (the run's) or >= 1")
     if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1):
         raise ValueError(f"tokens_per_step={tokens_per_step!r}: must be >= 1")
 
@@ -78,14 +119,14 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def check_sync_args(error_feedback: object = True, error_feedback_decay: object = None, round_timeout_s: object = 3600.0) -> None:
-    """Raises ValueError, naming the argument, for an ``error_feedback`` that is not a bool,
-    an ``error_feedback_decay`` outside [0, 1] or a ``round_timeout_s`` that is not > 0
-    (``math.inf``: wait for ever)."""
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback={error_feedback!r}: must be True or False")
+def check_sync_args(error_feedback: object = None, error_feedback_decay: object = None, round_timeout_s: object = 3600.0) -> None:
+    """Raises ValueError, naming the argument, for an ``error_feedback`` that is not a bool
+    (or None: the run's), an ``error_feedback_decay`` outside [0, 1] or a ``round_timeout_s``
+    that is not > 0 (``math.inf``: wait for ever)."""
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback={error_feedback!r}: must be None (the run's), True or False")
     if error_feedback_decay is not None and not (_is_number(error_feedback_decay) and 0.0 <= error_feedback_decay <= 1.0):  # type: ignore[operator]
-        raise ValueError(f"error_feedback_decay={error_feedback_decay!r}: must be None (the codec's best) or a number in [0, 1]")
+        raise ValueError(f"error_feedback_decay={error_feedback_decay!r}: must be None (the run's) or a number in [0, 1]")
     if not (_is_number(round_timeout_s) and round_timeout_s > 0):  # type: ignore[operator]  (NaN fails too)
         raise ValueError(f"round_timeout_s={round_timeout_s!r}: must be a number of seconds > 0")
 
@@ -153,10 +194,10 @@ class DiLoCo:
         *,
         coordinator: str,
         site_id: str,
-        sync_every: int,
+        sync_every: int | None = None,
         tokens_per_step: int = 1,
-        codec: CodecConfig | str = "fp32",
-        error_feedback: bool = True,
+        codec: CodecConfig | str | None = None,
+        error_feedback: bool | None = None,
         error_feedback_decay: float | None = None,
         round_timeout_s: float = 3600.0,
         after_last_round: str = "warn",
@@ -169,14 +210,13 @@ class DiLoCo:
             raise ValueError(f"after_last_round={after_last_round!r}: must be one of {', '.join(map(repr, AFTER_LAST_ROUND))}")
         self.model = model
         self.optimizer = optimizer
-        self.sync_every = sync_every
         self.tokens_per_step = tokens_per_step
         self.after_last_round = after_last_round
         self._client = CoordinatorClient(coordinator, connect_timeout_s=connect_timeout_s, security=security, site_id=str(site_id))
-        options = SyncOptions(
-            codec=codec, error_feedback=error_feedback, error_feedback_decay=None if error_feedback_decay is None else float(error_feedback_decay), timeouts=Timeouts(round_timeout_s=float(round_timeout_s)),
-            sync_every=sync_every,  # the coordinator refuses a site whose H is not the run's
-        )  # fmt: skip
+        own, stated = stated_settings(sync_every=sync_every, codec=codec, error_feedback=error_feedback, error_feedback_decay=error_feedback_decay)
+        # The run's settings are the coordinator's; what is given here is stated at Join, where
+        # a run with other values refuses this site, naming the setting.
+        options = SyncOptions(own=own, stated=stated, timeouts=Timeouts(round_timeout_s=float(round_timeout_s)))
         # A diverged round (Δ not finite) restarts from θ; the optimizer's state had the NaN too.
         self.sync = OuterSync(model, self._client, str(site_id), options, on_diverged=optimizer.state.clear if optimizer is not None else None)
         self._hook: Any = None
@@ -226,12 +266,22 @@ class DiLoCo:
     # ---- explicit calls ------------------------------------------------------------------
     def join(self) -> None:
         """Joins the run and loads the coordinator's global θ into the model (the connection
-        is closed again if that fails)."""
+        is closed again if that fails). A run this object cannot serve (a streaming or
+        overlapped one: ``served_problem``) is refused by name, and the site leaves it."""
         try:
             self.sync.join()
         except BaseException:
             self.close()
             raise
+        why = served_problem(self.sync.settings)
+        if why is not None:
+            self.leave()
+            raise RunNotServed(why)
+
+    @property
+    def sync_every(self) -> int:
+        """The inner steps of the open round: the run's H (its sync.schedule's in the first rounds)."""
+        return self.sync.settings.schedule.steps_of(self.sync.round)
 
     def add_tokens(self, n: int) -> None:
         """Adds ``n`` (an integer >= 0) to the tokens the current inner step trains on: call it

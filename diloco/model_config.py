@@ -8,30 +8,30 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeAlias
+
+from diloco.fields import setting
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the transformer. Immutable; validated on construction.
+    """Shape of the built-in transformer (Llama-style: pre-norm RMSNorm, rotary embeddings,
+    SwiGLU). Immutable; invalid values raise ``ValueError`` whose message starts with
+    ``model.<field>=<value>:``. Any field overrides the preset with +model.FIELD=VALUE."""
 
-    ``context`` is the maximum sequence length T the model accepts (RoPE tables
-    are precomputed for it). ``mlp_hidden`` is the SwiGLU hidden width, i.e.
-    the width of each of the gate and up projections. Invalid values raise
-    ``ValueError`` whose message starts with ``model.<field>=<value>:``.
-    """
-
-    name: str = "tiny"
-    vocab_size: int = 256
-    context: int = 128
-    d_model: int = 128
-    n_layers: int = 3
-    n_heads: int = 4
-    mlp_hidden: int = 352
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
+    name: str = setting(
+        "tiny", doc="the size preset (MODEL_SIZES): tiny (about 0.64M parameters) | small (about 6.4M) | base (about 124M, GPT-2 small's sizes)"
+    )
+    vocab_size: int = setting(256, doc="the output width: token ids are below it (256: one token per byte)")
+    context: int = setting(128, doc="the longest sequence T the model accepts (RoPE tables are precomputed for it); the data pipeline cuts sequences this long")
+    d_model: int = setting(128, doc="the width of the residual stream")
+    n_layers: int = setting(3, doc="transformer blocks")
+    n_heads: int = setting(4, doc="attention heads; they divide d_model, and d_model/n_heads is even (rotary embeddings)")
+    mlp_hidden: int = setting(352, doc="the SwiGLU hidden width: the width of each of the gate and up projections")
+    tie_embeddings: bool = setting(True, doc="the output head reuses the token embedding's weights (false: a head of its own)")
+    norm_eps: float = setting(1e-5, doc="RMSNorm's epsilon")
+    rope_base: float = setting(10000.0, doc="the base of the rotary embeddings' frequencies")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -142,21 +142,24 @@ def _json_hash(obj: object) -> int:
 class CustomModelConfig:
     """A model made by a user function (``model=custom``).
 
-    ``factory`` names it as ``"package.module:function"`` (an attribute path may
-    follow the colon, ``"pkg.mod:Class.create"``) or ``"package.module.function"``
-    (split at the last dot). ``build_model`` calls it with ``kwargs`` and nothing
-    else, so a factory that needs ``vocab_size`` or ``context`` gets them through
-    ``kwargs``. It must return an ``nn.Module`` with float32 CPU parameters that maps
-    token ids ``[B, T]`` (``T <= context``) to logits ``[B, T, vocab_size]``, as a
-    tensor, an object with ``.logits`` or a mapping with ``"logits"``.
-    ``kwargs`` must be plain data (it travels to every process as JSON).
+    ``build_model`` calls the factory with ``kwargs`` and nothing else, so a factory that
+    needs ``vocab_size`` or ``context`` gets them through ``kwargs``. It must return an
+    ``nn.Module`` with float32 CPU parameters that maps token ids ``[B, T]`` (``T <= context``)
+    to logits ``[B, T, vocab_size]``, as a tensor, an object with ``.logits`` or a mapping
+    with ``"logits"``.
     """
 
-    name: str = "custom"
-    factory: str | None = None  # required; None only so that a missing one gets a clear error
-    kwargs: Mapping[str, Any] = field(default_factory=dict)  # None means {}
-    context: int = 128
-    vocab_size: int = 256
+    name: str = setting("custom", doc="custom: a model made by the user function that `factory` names")
+    # None only so that a missing factory gets a clear error.
+    factory: str | None = setting(
+        None,
+        doc='required: "package.module:function" (an attribute path may follow the colon) or "package.module.function", imported from sys.path, then the working directory',
+    )
+    kwargs: Mapping[str, Any] = setting(
+        doc="the factory's keyword arguments, and nothing else: a mapping of plain data (it travels to every process as JSON); null: none", factory=dict
+    )
+    context: int = setting(128, doc="the sequence length the data pipeline cuts; the model must accept it")
+    vocab_size: int = setting(256, doc="the model's output width: token ids are below it (256: one token per byte)")
 
     def __post_init__(self) -> None:
         _check_name(self.name, "custom")
@@ -181,17 +184,15 @@ HF_POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 @dataclass(frozen=True)
 class HFModelConfig:
-    """A Hugging Face causal LM built from its config alone (``model=hf``; never downloaded).
+    """A Hugging Face causal LM built from its config alone (``model=hf``; never downloaded;
+    needs the extra: pip install -e '.[hf]')."""
 
-    ``config`` is what ``transformers.AutoConfig.for_model(**config)`` takes: it must
-    name ``model_type`` (llama, gpt2, ...) and ``vocab_size``. Its
-    ``max_position_embeddings`` (or ``n_positions``) must be >= ``context``, the
-    sequence length the data pipeline cuts.
-    """
-
-    name: str = "hf"
-    config: Mapping[str, Any] = field(default_factory=dict)
-    context: int = 128
+    name: str = setting("hf", doc="hf: a Hugging Face causal LM built from `config` alone, never downloaded")
+    config: Mapping[str, Any] = setting(
+        doc="what transformers.AutoConfig.for_model takes: model_type and vocab_size required; max_position_embeddings (gpt2: n_positions) >= context",
+        factory=dict,
+    )
+    context: int = setting(128, doc="the sequence length the data pipeline cuts")
 
     def __post_init__(self) -> None:
         _check_name(self.name, "hf")

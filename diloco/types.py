@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from diloco.boxes import Box
 
@@ -48,16 +50,15 @@ class SiteEval:
 
 @dataclass(frozen=True)
 class JoinRequest:
-    """What a site says when it joins: who it is, its model's fingerprint, and the settings
-    that must agree with the coordinator's (0 / "" where the site does not say)."""
+    """What a site says when it joins: who it is, what it is (its model's fingerprint, whether
+    it can send θ₀), and the run settings its own configuration states explicitly."""
 
     site_id: str
     specs: tuple[TensorSpec, ...]
     can_upload: bool = False  # it can send its whole parameters as θ₀ (init=site)
-    sync_every: int = 0
-    codec: str = ""
-    fragments: int = 0  # streaming: the site's F
-    fragment_split: str = ""  # streaming: how the site splits its parameters (diloco.outer.fragments.SPLITS); "": not said
+    # Dotted key -> value (diloco.sync.RunSettings.flat): the coordinator refuses another value
+    # than the run's, naming the key. Empty: the site takes the run's settings as they are.
+    stated: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class JoinInfo:
     lease_s: float = 60.0  # the coordinator evicts a site silent this long
     upload_init: bool = False  # init=site: this site must upload its parameters as θ₀, then pull
     eval_every: int = 0  # evaluation by sites: evaluate the global θ after every k-th round (0: never)
+    # The run's settings every site uses (diloco.sync.RunSettings.to_dict); None: the
+    # coordinator owns none (a library coordinator) and the site goes by its own.
+    settings: Mapping[str, Any] | None = None
+    fragments: tuple[tuple[str, ...], ...] = ()  # the parameters' split into fragments; (): not known yet (init=site)
 
 
 @dataclass(frozen=True)

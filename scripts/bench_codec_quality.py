@@ -73,7 +73,8 @@ def build(args: argparse.Namespace, variant: str, seed: int, mode: str = "diloco
     if flag not in ("", "noef"):
         raise SystemExit(f"variant {variant!r}: the only flag is ':noef'")
     d = recipe_config(name) if name in RECIPES else run_config_defaults()
-    d.update(mode=mode, sites=args.sites, sync_every=args.sync_every, rounds=args.rounds, seed=seed)
+    d.update(mode=mode, sites=args.sites, rounds=args.rounds, seed=seed)
+    d.setdefault("sync", {})["every"] = args.sync_every
     d["model"] = {"name": args.model}
     if name not in RECIPES:
         d["codec"] = name

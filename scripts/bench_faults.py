@@ -59,7 +59,7 @@ SCENARIOS = (
 
 
 def scenario_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    base: dict[str, Any] = {"sites": 4, "sync_every": args.sync_every, "rounds": args.rounds, "seed": args.seed, "eval_every": args.rounds}
+    base: dict[str, Any] = {"sites": 4, "rounds": args.rounds, "seed": args.seed, "eval_every": args.rounds, "sync": {"every": args.sync_every}}
     if name.endswith("_dn"):
         return {**scenario_config(name[: -len("_dn")], args), "outer": {"name": "DelayedNesterov", "period": args.dn_period}}
     if name == "clean3":

@@ -43,7 +43,7 @@ def _run(name: str, cfg: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def measure_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = {
-        "sites": 1, "model": {"name": args.model}, "sync_every": args.sync_every, "rounds": args.rounds, "eval_every": args.rounds,
+        "sites": 1, "model": {"name": args.model}, "sync": {"every": args.sync_every}, "rounds": args.rounds, "eval_every": args.rounds,
         "data": {"batch_size": args.batch_size}, "layout": {"name": layout}, "seed": args.seed,
     }  # fmt: skip
     summary = _run(layout, cfg, args.out)
@@ -64,7 +64,7 @@ def measure_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_quality(args: argparse.Namespace) -> dict[str, Any]:
     mixed = [s.strip() for s in args.mixed.split(",")]
-    base = {"sites": len(mixed), "sync_every": 50, "rounds": 10, "eval_every": 10, "seed": args.seed}
+    base = {"sites": len(mixed), "rounds": 10, "eval_every": 10, "seed": args.seed, "sync": {"every": 50}}
     out = {}
     for name, cfg in (("all_single", base), ("mixed", {**base, "site_layouts": mixed})):
         s = _run(name, cfg, args.out)

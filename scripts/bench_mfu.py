@@ -318,7 +318,7 @@ def _outer_sync(model: torch.nn.Module, client: Any) -> Any:
     from diloco.site.outer_sync import OuterSync, SyncOptions
 
     # Bounded waits, so that a round that cannot close fails the section instead of hanging.
-    return OuterSync(model, client, "0", SyncOptions(timeouts=Timeouts(wait_poll_s=5.0, round_timeout_s=300.0, reconnect_timeout_s=30.0)))
+    return OuterSync(model, client, "0", SyncOptions.of(timeouts=Timeouts(wait_poll_s=5.0, round_timeout_s=300.0, reconnect_timeout_s=30.0)))
 
 
 def _global_copy(sync: Any) -> dict[str, Any]:

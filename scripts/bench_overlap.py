@@ -28,46 +28,42 @@ from diloco.sim.links import wan_plan
 
 MODES: dict[str, dict[str, Any]] = {
     "blocking": {},
-    "streaming F=5 τ=0": {"fragments": 5},  # H=50: F must divide H (4 does not)
-    "streaming F=5 τ=5": {"fragments": 5, "overlap_steps": 5},
-    "streaming F=5 τ=5 delta": {"fragments": 5, "overlap_steps": 5, "merge": "delta"},
-    "streaming F=5 τ=1 delta": {"fragments": 5, "overlap_steps": 1, "merge": "delta"},
-    "streaming F=5 τ=2 delta": {"fragments": 5, "overlap_steps": 2, "merge": "delta"},
-    "streaming F=5 τ=4 delta": {"fragments": 5, "overlap_steps": 4, "merge": "delta"},
-    "streaming F=5 τ=5 delta zstd": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec": "int8+zstd"},  # the same bits, entropy-coded
-    "streaming F=5 τ=5 ahead zstd": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd"},
-    "streaming F=5 τ=5 ahead": {"fragments": 5, "overlap_steps": 5, "merge": "ahead"},  # w = 0 (AHEAD_WEIGHT)
+    "streaming F=5 τ=0": {"sync": {"fragments": 5}},  # H=50: F must divide H (4 does not)
+    "streaming F=5 τ=5": {"sync": {"fragments": 5, "overlap": 5}},
+    "streaming F=5 τ=5 delta": {"sync": {"fragments": 5, "overlap": 5, "merge": "delta"}},
+    "streaming F=5 τ=1 delta": {"sync": {"fragments": 5, "overlap": 1, "merge": "delta"}},
+    "streaming F=5 τ=2 delta": {"sync": {"fragments": 5, "overlap": 2, "merge": "delta"}},
+    "streaming F=5 τ=4 delta": {"sync": {"fragments": 5, "overlap": 4, "merge": "delta"}},
+    "streaming F=5 τ=5 delta zstd": {"codec": "int8+zstd", "sync": {"fragments": 5, "overlap": 5, "merge": "delta"}},  # the same bits, entropy-coded
+    "streaming F=5 τ=5 ahead zstd": {"codec": "int8+zstd", "sync": {"fragments": 5, "overlap": 5, "merge": "ahead"}},
+    "streaming F=5 τ=5 ahead": {"sync": {"fragments": 5, "overlap": 5, "merge": "ahead"}},  # w = 0 (AHEAD_WEIGHT)
     # A 4-bit downlink (with the coordinator's error feedback): half the pull's bytes.
-    "streaming F=5 τ=5 ahead int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4"},
+    "streaming F=5 τ=5 ahead int4 down": {"codec_down": "int4", "sync": {"fragments": 5, "overlap": 5, "merge": "ahead"}},
     # Fragments of equal sizes (8 layers in 5 strided fragments: three of 1.58M elements, two of 0.8M).
-    "streaming F=5 τ=5 ahead balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "fragment_split": "balanced"},
-    "streaming F=5 τ=5 ahead int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec_down": "int4", "fragment_split": "balanced"},
-    "streaming F=5 τ=0 balanced": {"fragments": 5, "fragment_split": "balanced"},
+    "streaming F=5 τ=5 ahead balanced": {"sync": {"fragments": 5, "overlap": 5, "merge": "ahead", "split": "balanced"}},
+    "streaming F=5 τ=5 ahead int4 down balanced": {"codec_down": "int4", "sync": {"fragments": 5, "overlap": 5, "merge": "ahead", "split": "balanced"}},
+    "streaming F=5 τ=0 balanced": {"sync": {"fragments": 5, "split": "balanced"}},
     "streaming F=5 τ=5 ahead int4 down balanced freeze": {
-        "fragments": 5,
-        "overlap_steps": 5,
-        "merge": "ahead",
         "codec_down": "int4",
-        "fragment_split": "balanced",
-        "fragment_end": "freeze",
+        "sync": {"fragments": 5, "overlap": 5, "merge": "ahead", "split": "balanced", "end": "freeze"},
     },
-    "streaming F=5 τ=5 delta int4 down balanced": {"fragments": 5, "overlap_steps": 5, "merge": "delta", "codec_down": "int4", "fragment_split": "balanced"},
-    "streaming F=5 τ=5 ahead zstd int4 down": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "codec": "int8+zstd", "codec_down": "int4+zstd"},
-    "streaming F=5 τ=5 ahead w=0.5": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.5},
-    "streaming F=5 τ=5 ahead w=0": {"fragments": 5, "overlap_steps": 5, "merge": "ahead", "eager_weight": 0.0},
-    "streaming F=5 τ=4 ahead": {"fragments": 5, "overlap_steps": 4, "merge": "ahead"},
-    "streaming F=5 τ=6 delta": {"fragments": 5, "overlap_steps": 6, "merge": "delta"},
-    "streaming F=5 τ=6 ahead": {"fragments": 5, "overlap_steps": 6, "merge": "ahead"},
-    "streaming F=5 τ=7 ahead": {"fragments": 5, "overlap_steps": 7, "merge": "ahead"},
-    "streaming F=5 τ=7 ahead freeze": {"fragments": 5, "overlap_steps": 7, "merge": "ahead", "fragment_end": "freeze"},
-    "streaming F=5 τ=6 ahead freeze": {"fragments": 5, "overlap_steps": 6, "merge": "ahead", "fragment_end": "freeze"},
-    "streaming F=5 τ=7 delta": {"fragments": 5, "overlap_steps": 7, "merge": "delta"},
-    "streaming F=2 τ=10 delta": {"fragments": 2, "overlap_steps": 10, "merge": "delta"},
-    "overlap F=1 τ=25 delta": {"overlap_steps": 25, "merge": "delta"},
-    "streaming F=5 τ=1": {"fragments": 5, "overlap_steps": 1},
-    "eager": {"outer_mode": "eager"},
-    "eager w=1": {"outer_mode": "eager", "eager_weight": 1.0},
-    "delayed": {"outer_mode": "delayed"},
+    "streaming F=5 τ=5 delta int4 down balanced": {"codec_down": "int4", "sync": {"fragments": 5, "overlap": 5, "merge": "delta", "split": "balanced"}},
+    "streaming F=5 τ=5 ahead zstd int4 down": {"codec": "int8+zstd", "codec_down": "int4+zstd", "sync": {"fragments": 5, "overlap": 5, "merge": "ahead"}},
+    "streaming F=5 τ=5 ahead w=0.5": {"sync": {"fragments": 5, "overlap": 5, "merge": "ahead", "lookahead_weight": 0.5}},
+    "streaming F=5 τ=5 ahead w=0": {"sync": {"fragments": 5, "overlap": 5, "merge": "ahead", "lookahead_weight": 0.0}},
+    "streaming F=5 τ=4 ahead": {"sync": {"fragments": 5, "overlap": 4, "merge": "ahead"}},
+    "streaming F=5 τ=6 delta": {"sync": {"fragments": 5, "overlap": 6, "merge": "delta"}},
+    "streaming F=5 τ=6 ahead": {"sync": {"fragments": 5, "overlap": 6, "merge": "ahead"}},
+    "streaming F=5 τ=7 ahead": {"sync": {"fragments": 5, "overlap": 7, "merge": "ahead"}},
+    "streaming F=5 τ=7 ahead freeze": {"sync": {"fragments": 5, "overlap": 7, "merge": "ahead", "end": "freeze"}},
+    "streaming F=5 τ=6 ahead freeze": {"sync": {"fragments": 5, "overlap": 6, "merge": "ahead", "end": "freeze"}},
+    "streaming F=5 τ=7 delta": {"sync": {"fragments": 5, "overlap": 7, "merge": "delta"}},
+    "streaming F=2 τ=10 delta": {"sync": {"fragments": 2, "overlap": 10, "merge": "delta"}},
+    "overlap F=1 τ=25 delta": {"sync": {"overlap": 25, "merge": "delta"}},
+    "streaming F=5 τ=1": {"sync": {"fragments": 5, "overlap": 1}},
+    "eager": {"sync": {"mode": "eager"}},
+    "eager w=1": {"sync": {"mode": "eager", "lookahead_weight": 1.0}},
+    "delayed": {"sync": {"mode": "delayed"}},
 }
 
 
@@ -81,7 +77,7 @@ def _global(run_dir: Path) -> dict[str, Any]:
 
 
 def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path, timeout_s: float = 3600.0) -> dict[str, Any]:
-    cfg = run_config_from_dict({**base, **extra})
+    cfg = run_config_from_dict({**base, **extra, "sync": {**base.get("sync", {}), **extra.get("sync", {})}})
     t = time.monotonic()
     s = run_simulation(cfg, run_dir, progress=None, wan=wan, timeout_s=timeout_s)
     workers = _workers(run_dir)
@@ -97,7 +93,9 @@ def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path
         "stall_s": s["stall_s"],
         "step_s": step_s,
         "bytes_up_per_push": s["bytes_up"] / pushes,
-        "bytes_down_per_pull": sum(sum(b["down"] for b in (w.get("fragment_bytes") or {}).values()) for w in workers) / pushes if cfg.fragments > 1 else None,
+        "bytes_down_per_pull": sum(sum(b["down"] for b in (w.get("fragment_bytes") or {}).values()) for w in workers) / pushes
+        if cfg.sync.fragments > 1
+        else None,
         "sync_s_median": [w["sync_s_median_per_rank"][0] for w in workers],
         "commit_s_median": _global(run_dir).get("commit_s_median"),
         "params": s["params"],
@@ -123,15 +121,16 @@ def plan_for(
     straggle_s: float = 0.0,
 ) -> dict[str, Any]:
     """diloco-plan's prediction for the run, from its own measured step time and payload bits."""
-    bits = 8 * r["bytes_up_per_push"] * extra.get("fragments", 1) / r["params"]
-    down_bits = 8 * r["bytes_down_per_pull"] * extra.get("fragments", 1) / r["params"] if r.get("bytes_down_per_pull") else None
+    sync = extra.get("sync", {})
+    bits = 8 * r["bytes_up_per_push"] * sync.get("fragments", 1) / r["params"]
+    down_bits = 8 * r["bytes_down_per_pull"] * sync.get("fragments", 1) / r["params"] if r.get("bytes_down_per_pull") else None
     plan = Plan(
-        params=r["params"], step_s=r["step_s"], sync_every=base["sync_every"], bits=bits, down_bits=down_bits, fragments=extra.get("fragments", 1),
-        overlap_steps=extra.get("overlap_steps", 0), outer_mode=extra.get("outer_mode", "blocking"), sites=base["sites"],
+        params=r["params"], step_s=r["step_s"], sync_every=base["sync"]["every"], bits=bits, down_bits=down_bits, fragments=sync.get("fragments", 1),
+        overlap_steps=sync.get("overlap", 0), outer_mode=sync.get("mode", "blocking"), sites=base["sites"],
         bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle, straggle_s=straggle_s,
     )  # fmt: skip
     p = predict(plan)
-    run = run_utilization(plan, base["rounds"], flush=extra.get("fragment_end", "flush") == "flush")
+    run = run_utilization(plan, base["rounds"], flush=sync.get("end", "flush") == "flush")
     until = run_utilization(plan, base["rounds"], tail=False)
     return {
         "utilization": round(p.utilization, 4),
@@ -150,7 +149,7 @@ def replan(files: list[Path], straggle_from: Path | None) -> int:
     for path in files:
         results = json.loads(path.read_text())
         a = results["args"]
-        base = {"sites": a["sites"], "sync_every": a["sync_every"], "rounds": a["rounds"]}
+        base = {"sites": a["sites"], "rounds": a["rounds"], "sync": {"every": a["sync_every"]}}
         overhead = results.get("overhead_s") or results.get("loopback_blocking", {}).get("overhead_s")
         blocking = (source or results)["runs"]["blocking"]
         straggle, straggle_s = straggle_of(blocking, a["sync_every"])
@@ -203,7 +202,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.replan:
         return replan(args.replan, args.straggle_from)
-    base = {"sites": args.sites, "sync_every": args.sync_every, "rounds": args.rounds, "codec": args.codec, "model": {"name": args.model},
+    base = {"sites": args.sites, "sync": {"every": args.sync_every}, "rounds": args.rounds, "codec": args.codec, "model": {"name": args.model},
             "data": {"batch_size": args.batch_size}, "eval_every": 1000}  # fmt: skip
     for item in args.set:
         key, _, value = item.partition("=")

@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "baseline config: a sync_every_schedule changes their steps)",
     )
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per-run timeout passed to run_simulation (default 3600)")
-    p.add_argument("--quick", action="store_true", help="smoke test: rounds=2, sync_every=5, seeds=0, sites=2 (explicit flags still win)")
+    p.add_argument("--quick", action="store_true", help="smoke test: rounds=2, sync.every=5, seeds=0, sites=2 (explicit flags still win)")
     args = p.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for key in ("rounds", "sync_every", "sites", "seeds"):
@@ -171,12 +171,13 @@ def apply_override(d: dict[str, Any], path: list[str], value: Any) -> None:
 
 def build_config(args: argparse.Namespace, mode: str, seed: int, extra: list[tuple[list[str], Any]] | None = None) -> RunConfig:
     d = run_config_defaults()
-    d.update(mode=mode, sites=args.sites, sync_every=args.sync_every, rounds=args.rounds, seed=seed)
+    d.update(mode=mode, sites=args.sites, rounds=args.rounds, seed=seed)
+    d["sync"]["every"] = args.sync_every
     # Replace the whole model section: the defaults hold every field of the tiny preset, which
     # would otherwise override the sizes of another preset.
     d["model"] = {"name": args.model}
     for path, value in [*args.override_pairs, *(extra or [])]:
-        if (mode != "diloco" and path[0] in DILOCO_ONLY) or path[0] == SIM_ONLY:
+        if (mode != "diloco" and diloco_only(path)) or path[0] == SIM_ONLY:
             continue  # the baselines have no outer step, codec or quorum; faults are the simulator's
         apply_override(d, path, copy.deepcopy(value))
     return run_config_from_dict(d)
@@ -194,7 +195,7 @@ def build_faults(args: argparse.Namespace, cfg: RunConfig, extra: list[tuple[lis
 
 
 # Settings only DiLoCo has: a grid over them runs each baseline once per seed. (A
-# sync_every_schedule is applied to the baselines too: they train the same blocks.)
+# sync.schedule is applied to the baselines too: they train the same blocks.)
 SIM_ONLY = "faults"  # run_simulation's own argument, not the run config's
 DILOCO_ONLY = (
     "outer",
@@ -206,13 +207,23 @@ DILOCO_ONLY = (
     "aggregate",
     "robust",
     "guard",
-    "fragments",
-    "overlap_steps",
-    "alpha",
-    "merge",
-    "outer_mode",
-    "streams",
+    "sync.fragments",
+    "sync.split",
+    "sync.end",
+    "sync.overlap",
+    "sync.local_weight",
+    "sync.merge",
+    "sync.mode",
+    "sync.lookahead_weight",
+    "sync.streams",
+    "sync.budget_s",
 )
+
+
+def diloco_only(path: list[str]) -> bool:
+    """An override of a setting only DiLoCo has (the baselines skip it)."""
+    key = ".".join(path)
+    return any(key == k or key.startswith(k + ".") for k in DILOCO_ONLY)
 
 
 # ---------------------------------------------------------------------------- runs
@@ -474,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     first = next(iter(configs.values()))
     print(
-        f"bench_quality: model={first.model.name} sites={first.sites} H={first.sync_every} rounds={first.rounds} "
+        f"bench_quality: model={first.model.name} sites={first.sites} H={first.sync.every} rounds={first.rounds} "
         f"seeds={','.join(map(str, args.seed_list))} modes={','.join(args.mode_list)} overrides={args.overrides} -> {out}",
         flush=True,
     )
@@ -484,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
         "model": first.model.name,
         "sites": first.sites,
-        "sync_every": first.sync_every,
+        "sync_every": first.sync.every,
         "rounds": first.rounds,
         "seeds": args.seed_list,
         "modes": args.mode_list,

@@ -49,7 +49,7 @@ from diloco.codec import get_codec  # noqa: E402
 from diloco.security.config import SecurityConfig  # noqa: E402
 from diloco.security.store import write_run_credentials  # noqa: E402
 from diloco.transport import CoordinatorClient  # noqa: E402
-from diloco.types import PushHeader  # noqa: E402
+from diloco.types import JoinRequest, PushHeader  # noqa: E402
 from diloco.wire import encode_chunks  # noqa: E402
 from diloco.wire.fingerprint import fingerprint  # noqa: E402
 
@@ -93,7 +93,7 @@ def goodput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             clients = {s: CoordinatorClient(f"127.0.0.1:{port}", timeout_s=300, security=cfg, site_id=s) for s in ("a", "b")}
             try:
                 for s, c in clients.items():
-                    c.join(s, fingerprint(theta).values())
+                    c.join(JoinRequest(s, tuple(fingerprint(theta).values())))
                 delta = {n: torch.full_like(t, 1e-3) for n, t in theta.items()}
                 chunks = list(encode_chunks(delta, codec=fp32))
                 for r in range(2):
@@ -176,7 +176,7 @@ def _hostile_run(out: Path, connections: int, rounds: int) -> dict[str, Any]:
     common = [
         "sites=3",
         f"rounds={rounds}",
-        "sync_every=10",
+        "sync.every=10",
         f"eval_every={rounds}",
         f"security.dir={creds.dir}",
         "quorum.lease_s=20",
@@ -202,7 +202,7 @@ def _hostile_run(out: Path, connections: int, rounds: int) -> dict[str, Any]:
             # The site whose credentials leaked is a member: its stalled pushes reach staging.
             theta = {n: p.detach() for n, p in build_model(ModelConfig(), 0).named_parameters()}
             with CoordinatorClient(address, connect_timeout_s=60, security=SecurityConfig(dir=str(creds.dir)), site_id="x") as c:
-                c.join("x", fingerprint(theta).values())
+                c.join(JoinRequest("x", tuple(fingerprint(theta).values())))
             x = creds.site_pem("x")
             foreign = issue_site(make_ca("not the run's CA", 1), "0", 1)
             load = HostileLoad(address, creds.ca_pem(), Leaked("x", x.cert, x.key, creds.site_token("x")), (foreign.key, foreign.cert), theta, connections)
@@ -296,15 +296,15 @@ def fuzz(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def robust(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One site of four pushes its Δ x 30 from round 1: final eval bpb with no defence, the
     norm bound (reject, clip) and the coordinate-wise median, against the clean run."""
-    common = ["sites=4", f"rounds={args.robust_rounds}", "sync_every=20", f"eval_every={args.robust_rounds}", "sim.credentials=false"]
+    common = ["sites=4", f"rounds={args.robust_rounds}", "sync.every=20", f"eval_every={args.robust_rounds}", "sim.credentials=false"]
     poison = "faults.events=[{kind:poison_push,site:3,factor:30,at_round:1}]"
     cases = {
         "clean": [],
         "poisoned, no defence": [poison],
         "poisoned, robust.norm_ratio=3 (reject)": [poison, "robust.norm_ratio=3"],
         "poisoned, robust.norm_ratio=3 robust.action=clip": [poison, "robust.norm_ratio=3", "robust.action=clip"],
-        "poisoned, robust.aggregate=median": [poison, "robust.aggregate=median"],
-        "clean, robust.aggregate=median": ["robust.aggregate=median"],
+        "poisoned, aggregate=median": [poison, "aggregate=median"],
+        "clean, aggregate=median": ["aggregate=median"],
     }
     result: dict[str, Any] = {}
     for i, (name, extra) in enumerate(cases.items()):

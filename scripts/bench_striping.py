@@ -39,7 +39,7 @@ def one(k: int, args: argparse.Namespace) -> dict:
     try:
         ports = wan.start()
         with CoordinatorClient(f"127.0.0.1:{ports['0']}", timeout_s=600, streams=k) as client:
-            sync = OuterSync(model, client, "0", SyncOptions(codec=args.codec, streams=k))
+            sync = OuterSync(model, client, "0", SyncOptions.of(codec=args.codec, streams=k))
             sync.join()
             for _ in range(args.rounds):
                 with torch.no_grad():

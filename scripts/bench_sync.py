@@ -212,7 +212,7 @@ def ours_site(a: argparse.Namespace) -> None:
             model,
             client,
             str(me),
-            SyncOptions(codec="fp32", sync_every=a.H, timeouts=Timeouts(wait_poll_s=10.0, round_timeout_s=120.0, reconnect_timeout_s=30.0)),
+            SyncOptions.of(codec="fp32", every=a.H, timeouts=Timeouts(wait_poll_s=10.0, round_timeout_s=120.0, reconnect_timeout_s=30.0)),
         )
         try:
             sync.join()

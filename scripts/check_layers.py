@@ -16,6 +16,7 @@ from pathlib import Path
 
 # Bottom to top. A module may import its own package and anything in a lower layer.
 LAYERS: list[tuple[str, ...]] = [
+    ("diloco.fields",),  # configuration fields that carry their own documentation
     (
         "diloco.boxes",
         "diloco.io",
@@ -26,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("diloco.types", "diloco.model_config"),  # the domain types that cross the wire; what model a run trains
     ("diloco.observe",),  # watching a run: the log format, exporters, plots of a run directory
     ("diloco.outer", "diloco.codec", "diloco.model", "diloco.data", "diloco.checkpoint"),  # math, value codecs, model, data
+    ("diloco.sync",),  # the sync section, the run's rounds in steps, the settings every site shares
     ("diloco.wire",),  # framing: tensors <-> chunks, model fingerprints
     ("diloco.transport",),  # the only package that imports grpc
     ("diloco.coordinator", "diloco.site"),  # the two ends of the protocol

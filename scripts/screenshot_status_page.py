@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="1400,860", help="the browser window, width,height")
     args = p.parse_args(argv)
     run_dir = Path(tempfile.mkdtemp(prefix="status_shot_")) / "run"
-    cmd = [SIM, f"hydra.run.dir={run_dir}", "sites=4", "sync_every=20", "rounds=12", "eval_every=2", "sim.credentials=false", "sim.plots=false"]
+    cmd = [SIM, f"hydra.run.dir={run_dir}", "sites=4", "sync.every=20", "rounds=12", "eval_every=2", "sim.credentials=false", "sim.plots=false"]
     sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         metrics = run_dir / "metrics.jsonl"

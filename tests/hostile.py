@@ -22,7 +22,7 @@ from diloco.transport import CoordinatorClient, retrying
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.serde import chunk_to_proto, spec_to_proto
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -148,7 +148,10 @@ class Fuzzer:
                 pb.TensorSpec(name=self._id(), shape=[self._int()], dtype=self.rng.choice(["float32", "int8", "x"]))
             ]
         req = pb.JoinRequest(
-            site_id=self._id(), params=specs, can_upload=self.rng.random() < 0.2, sync_every=self._int(0, 5), codec=self.rng.choice(["", "fp32", "bogus"])
+            site_id=self._id(),
+            params=specs,
+            can_upload=self.rng.random() < 0.2,
+            stated=self.rng.choice(["", '{"sync.every": 3}', '{"codec.name": "bogus"}', "{not json", "[1, 2]", '{"a": ' * 50, '{"x": 1}']),
         )
         self._call("Join", lambda: self.stub.Join(req, timeout=10))
 
@@ -255,7 +258,7 @@ def legit_site(address: str, site: str, theta: dict[str, torch.Tensor], rounds: 
     fp32 = get_codec("fp32")
     with CoordinatorClient(address, timeout_s=30, connect_timeout_s=10, security=security, site_id=site) as client:
         c = _Retrying(client)
-        c.join(site, fingerprint(theta).values())
+        c.join(JoinRequest(site, tuple(fingerprint(theta).values())))
         local = {n: t.clone() for n, t in theta.items()}
         for r in range(rounds):
             delta = {n: torch.full_like(t, 0.01 * (r + 1)) for n, t in local.items()}

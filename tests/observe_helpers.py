@@ -77,7 +77,7 @@ class HandSite:
         try:
             model = build_model(self.cfg.model, self.cfg.seed)
             with CoordinatorClient(self.address, timeout_s=30, connect_timeout_s=30) as client:
-                sync = OuterSync(model, client, self.site_id, SyncOptions(sync_every=self.cfg.sync_every))
+                sync = OuterSync(model, client, self.site_id, SyncOptions.of(every=self.cfg.sync.every))
                 sync.join()
                 for r, gate in enumerate(self.gates):
                     gate.wait()

@@ -67,7 +67,7 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     final_loss: float | None = None
     to_bpb = 1 / math.log(2) if cfg.data.format == "bytes" else None  # bits per byte only where tokens are bytes
     for r in range(cfg.rounds):
-        losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.schedule.steps_of(r))]  # DiLoCo's blocks (sync_every_schedule)
+        losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.schedule.steps_of(r))]  # DiLoCo's blocks (sync.schedule)
         loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
         if distributed:
             dist.all_reduce(loss)

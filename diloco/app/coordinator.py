@@ -86,7 +86,7 @@ def _status_page(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: C
     """The read-only status page on opts.status.port (docs/observability.md), or None when off."""
     if not opts.status.enabled:
         return None
-    about = {"sites": cfg.sites, "H": cfg.sync_every, "model": cfg.model.name, "codec": cfg.codec.describe()}
+    about = {"sites": cfg.sites, "H": cfg.sync.every, "model": cfg.model.name, "codec": cfg.codec.describe()}
     page = serve_status_page(opts.status, cfg.security, run_dir / "metrics.jsonl", about)
     log(f"coordinator: status page on {page.url} ({page.security.describe()})")
     return page
@@ -102,7 +102,7 @@ def _serve_run(
 ) -> dict[str, Any]:
     theta0, source = initial_params(cfg)
     evaluate = coordinator_evaluator(cfg, theta0, log)
-    coordinator = Coordinator(theta0, cfg.outer, coordinator_config(cfg, opts, source, evaluate is not None))
+    coordinator = Coordinator(theta0, cfg.outer_step, coordinator_config(cfg, opts, source, evaluate is not None))
     if opts.checkpoint_dir:
         _resume(coordinator, Path(opts.checkpoint_dir), log)
     eval_by = "coordinator" if evaluate is not None else "sites"
@@ -162,7 +162,7 @@ def _serve_run(
         peak_rss_mb=peak_rss_mb(),
         refused_pushes=coordinator.refusals() or None,
         commit_s_median=_median_parts(coordinator.commit_timings()),
-        fragments=describe(coordinator.fragments, {n: s.shape for n, s in coordinator.specs.items()}) if cfg.fragments > 1 and coordinator.ready else None,
+        fragments=describe(coordinator.fragments, {n: s.shape for n, s in coordinator.specs.items()}) if cfg.sync.fragments > 1 and coordinator.ready else None,
     )
     records.write(run_dir / "global.json", result)
     log(f"coordinator done: {result.rounds_committed} rounds, global sha256 {result.global_sha256[:16]}")
@@ -172,24 +172,17 @@ def _serve_run(
 def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: str, evaluates: bool) -> CoordinatorConfig:
     """The coordinator's part of the run config. ``evaluates``: the coordinator evaluates θ
     (it keeps snapshots for it), else the sites are asked to (unless eval_by=coordinator)."""
-    return CoordinatorConfig(
-        total_rounds=cfg.sync_rounds,
+    fragments = cfg.sync.fragments
+    return CoordinatorConfig.of_run(
+        cfg.settings,
         min_sites=_min_sites(cfg, opts),
         quorum=cfg.quorum,
-        codec_down=cfg.downlink_codec,
-        error_feedback_down=cfg.error_feedback,
         aggregate=str(cfg.aggregate),
         chunk_bytes=cfg.chunk_bytes,
-        snapshot_every=cfg.eval_every * cfg.fragments if evaluates else 0,
+        snapshot_every=cfg.eval_every * fragments if evaluates else 0,
         checkpoint_dir=opts.checkpoint_dir,
-        sync_every=cfg.sync_every,
-        codec_up=cfg.codec.build().name,
         init_source=init_source,
-        site_eval_every=cfg.eval_every * cfg.fragments if not evaluates and cfg.eval_by != "coordinator" else 0,
-        fragments=cfg.fragments,
-        fragment_split=cfg.fragment_split,
-        flush_rounds=cfg.sync_rounds - cfg.rounds * cfg.fragments,
-        frozen_end=cfg.fragments > 1 and cfg.fragment_end == "freeze",
+        site_eval_every=cfg.eval_every * fragments if not evaluates and cfg.eval_by != "coordinator" else 0,
         guard=cfg.guard,
         robust=cfg.robust,
         sites=_issued_sites(cfg),
@@ -208,7 +201,8 @@ def _median_parts(timings: list[dict[str, Any]]) -> dict[str, float] | None:
 
 
 def _fragments(cfg: RunConfig) -> str:
-    return f" ({cfg.rounds} x {cfg.fragments} fragments split {cfg.fragment_split}, one every {cfg.schedule.round_steps} steps)" if cfg.fragments > 1 else ""
+    s = cfg.sync
+    return f" ({cfg.rounds} x {s.fragments} fragments split {s.split}, one every {s.round_steps} steps)" if s.fragments > 1 else ""
 
 
 def _issued_sites(cfg: RunConfig) -> tuple[str, ...] | None:

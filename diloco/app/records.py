@@ -122,7 +122,7 @@ class GlobalRecord:
         "lock_s, commit_s (mean_s, step_s with encode_s, record_s), serve_s (the update bundled for the pulls), checkpoint_s (made durable), publish_s",
         optional=True,
     )
-    fragments: list[dict[str, Any]] | None = _f("fragments=F: the split (fragment_split), per fragment {fragment, numel, names}", optional=True)
+    fragments: list[dict[str, Any]] | None = _f("sync.fragments=F: the split (sync.split), per fragment {fragment, numel, names}", optional=True)
 
 
 @dataclass
@@ -148,7 +148,7 @@ class WorkerRecord:
         "per rank, the median seconds of each part of an outer sync (delta, encode, push, wait, pull, apply)", optional=True
     )
     inner_step_s_median: float | None = _f("median seconds of an inner step", optional=True)
-    steps_per_round: dict[str, int] | None = _f("round -> inner steps it ran (fewer than H under inner_budget_s)", optional=True)
+    steps_per_round: dict[str, int] | None = _f("round -> inner steps it ran (fewer than H under sync.budget_s)", optional=True)
     round_sha256: dict[str, str] | None = _f("round -> sha256 of its θ after the round", optional=True)
     dropped_rounds: list[int] | None = _f("rounds committed without its push (it came too late)", optional=True)
     merged_rounds: list[int] | None = _f("rounds whose late push was merged into a later round", optional=True)
@@ -165,7 +165,7 @@ class WorkerRecord:
     )
     stalls: int | None = _f("overlapped syncs that had not landed when their merge was due", optional=True)
     fragment_bytes: dict[str, dict[str, int]] | None = _f("fragments=F: fragment -> {up, down} payload bytes of this site (leader rank)", optional=True)
-    sync_mode: str | None = _f("blocking | streaming (fragments > 1 or overlap_steps > 0) | eager | delayed", optional=True)
+    sync_mode: str | None = _f("blocking | streaming (sync.fragments > 1 or sync.overlap > 0) | eager | delayed", optional=True)
 
 
 @dataclass

@@ -62,6 +62,10 @@ class SiteOptions:
     gpu: int | None = None  # device=cuda: which visible GPU (modulo their number); default LOCAL_RANK (torchrun) or 0
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # this site's Prometheus endpoint (metrics.port; off by default)
     progress: ProgressConfig = OFF  # live progress on the terminal (diloco-site's ``progress``; simulated sites: off, the simulator shows the run's)
+    # The run settings this site's configuration set explicitly (dotted keys or sections,
+    # diloco.sync.SHARED): stated at Join, where a coordinator with other values refuses the
+    # site; the others are taken from the coordinator. diloco-site: its command line's overrides.
+    stated: tuple[str, ...] = ()
 
     def coordinator_address(self) -> str:
         """Where to call the coordinator: ``coordinator``, or what the port file says once it exists."""
@@ -134,8 +138,8 @@ def _overlap_record(site: _Site, cfg: RunConfig) -> dict[str, Any]:
         "utilization_until_last_step": round(stats.utilization_until_last_step, 4) if stats.utilization_until_last_step is not None else None,
         "stall_s": round(stats.stall_s, 4),
         "stalls": stats.stalls if site.schedule.overlapped else None,
-        "fragment_bytes": site.fragment_bytes if cfg.fragments > 1 else None,
-        "sync_mode": site.schedule.mode,
+        "fragment_bytes": site.fragment_bytes if site.schedule.fragments > 1 else None,
+        "sync_mode": site.schedule.label,
     }
 
 
@@ -177,15 +181,11 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     start = time.monotonic()
     try:
         with CoordinatorClient(
-            opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.streams
+            opts.coordinator_address(), connect_timeout_s=opts.connect_timeout_s, security=cfg.security, site_id=opts.site_id, streams=cfg.sync.streams
         ) as real_client:
             client = hooks.wrap(real_client) if hooks else real_client
-            options = SyncOptions(
-                codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, chunk_bytes=cfg.chunk_bytes, sync_every=cfg.sync_every,
-                fragments=cfg.fragments, fragment_split=cfg.fragment_split, alpha=float(cfg.alpha or 0.0), merge=cfg.merge, start_point="global" if cfg.outer_mode == "blocking" else cfg.outer_mode,
-                streams=cfg.streams,
-                outer=cfg.outer if cfg.outer_mode == "eager" or cfg.merge == "ahead" else None, eager_weight=cfg.lookahead_weight,
-            )  # fmt: skip
+            # The run's settings are the coordinator's: this site states what its config set explicitly.
+            options = SyncOptions(own=cfg.settings, stated=opts.stated, chunk_bytes=cfg.chunk_bytes)
             sync = OuterSync(
                 layout, client, opts.site_id, options, log=log, before_push=hooks.before_push if hooks else None, on_diverged=site.trainer.reset_state
             )
@@ -247,7 +247,7 @@ class _Site:
         self.progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
         self.trained = 0
         self.live: LiveProgress | None = None  # the site's progress on the terminal (diloco-site)
-        self.schedule = cfg.schedule  # when this site pushes and merges (diloco.site.overlap)
+        self.schedule = cfg.schedule  # when this site pushes and merges: its own until it joins, then the run's
         self.loop: RoundLoop | None = None
         self.checkpointer: SiteCheckpointer | None = None
         self.fragment_bytes: dict[str, dict[str, int]] = {}  # fragment -> payload bytes up and down
@@ -258,9 +258,12 @@ class _Site:
         info = sync.join()
         # A site that joins late (or again, after a crash) starts its lr schedule and its
         # data where the run is; its inner optimizer state starts fresh.
+        # The run's settings, from the coordinator: its rounds and schedule are this site's.
+        self.schedule = sync.settings.schedule
+        self.trainer.total_steps = sync.settings.total_steps
         self.trainer.steps_done = self.schedule.steps_before(sync.round)
         log(
-            f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation}; sync {self.schedule.mode})"
+            f"site {opts.site_id} joined run {info.run_id} at round {sync.round} (shard {shard} of {cfg.sites}, incarnation {opts.incarnation}; sync {self.schedule.label})"
         )
         # Site checkpoints hold one process's optimizer state: one-rank sites only, for now.
         one_rank = self.layout.world == 1
@@ -276,7 +279,6 @@ class _Site:
             self.sampler.tokens_per_batch,
             lambda p, d: self._after_round(sync, p, d),
             mean=self.layout.mean,
-            budget_s=cfg.inner_budget_s,
         )
         self.observer.watch(sync, self.loop)
         try:
@@ -313,9 +315,10 @@ class _Site:
     def _after_round(self, sync: OuterSync, pending: PendingRound, digest: str) -> None:
         """What follows a landed round: the tokens, the lr schedule after a catch-up, the site's
         checkpoint, the log line and an evaluation when due."""
-        cfg, opts = self.cfg, self.opts
+        opts = self.opts
         self.tokens += pending.header.tokens
-        fragment = str(pending.header.round % cfg.fragments)
+        fragments = self.schedule.fragments
+        fragment = str(pending.header.round % fragments)
         counts = self.fragment_bytes.setdefault(fragment, {"up": 0, "down": 0})
         counts["up"] += int(pending.times.get("bytes_up", 0))
         counts["down"] += int(pending.times.get("bytes_down", 0))
@@ -325,7 +328,7 @@ class _Site:
         self.trainer.steps_done = self.schedule.steps_before(sync.round) + self.loop.phase_steps
         # With fragments, after a whole cycle of them: a checkpoint (the inner optimizer's state,
         # the residual) per fragment round cost a 2-core site more time than the stalls it hides.
-        if self.checkpointer and not sync.finished and sync.round % cfg.fragments == 0:
+        if self.checkpointer and not sync.finished and sync.round % fragments == 0:
             self.checkpointer.save(round=sync.round, global_sha256=digest, residual=sync.residual, tokens=self.tokens)
         self.observer.landed(pending.header.round, pending.times)
         last = self.loop.last_loss.get(pending.header.round)
@@ -339,7 +342,7 @@ class _Site:
         cfg = self.cfg
         if self.heldout is None:
             self.heldout = eval_batches(self.corpus.heldout, context=cfg.model.context, batch_size=cfg.data.batch_size, num_batches=cfg.data.eval_batches)
-        if self.schedule.mode == "blocking":
+        if self.schedule.label == "blocking":
             loss, count = evaluate_loss(self.layout.model, self.heldout)
         else:
             with sync.holding_global():  # the model is mid-phase (or merged): evaluate θ itself

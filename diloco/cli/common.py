@@ -10,10 +10,11 @@ from typing import Any, NoReturn
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.app.config import ConfigError, RunConfig, run_config_from_dict
+from diloco.app.config import ConfigError, RunConfig, renamed_problem, run_config_from_dict
 from diloco.observe.config import MetricsConfig, metrics_config
 from diloco.observe.progress import ProgressConfig, progress_config
 from diloco.observe.status_page import StatusConfig, status_config
+from diloco.sync import SHARED
 
 RUN_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig))  # the run's own top-level keys: every RunConfig field
 
@@ -65,6 +66,35 @@ def process_progress(cfg: DictConfig) -> ProgressConfig:
 
 def run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
+
+
+# Config groups that set run settings: overriding one states what it sets.
+_GROUP_SETTINGS = {"recipe": ("codec", "error_feedback_decay", "outer"), "codec": ("codec",)}
+
+
+def override_keys(args: list[str]) -> list[str]:
+    """The dotted keys a hydra command line sets (``key=value``, ``+key=value``, ``~key``)."""
+    return [a.lstrip("+~").split("=", 1)[0] for a in args if "=" in a or a.startswith("~")]
+
+
+def stated_overrides() -> tuple[str, ...]:
+    """The run settings this process's command line sets explicitly (diloco.sync.SHARED's
+    keys): what a site states when it joins; it takes the rest from the coordinator."""
+    out: list[str] = []
+    for key in override_keys(list(HydraConfig.get().overrides.task)):
+        if key in _GROUP_SETTINGS:
+            out += _GROUP_SETTINGS[key]
+        elif key.split(".")[0] in SHARED:
+            out.append(key)
+    return tuple(dict.fromkeys(out))
+
+
+def check_renamed(args: list[str]) -> None:
+    """Fails at once, naming the new key, for a key of an earlier release on the command line
+    (hydra would only say that the key is not in the config)."""
+    why = renamed_problem(override_keys(args))
+    if why is not None:
+        fail(f"bad config: {why}")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from diloco.app.config import ConfigError
 from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
 from diloco.checkpoint import CheckpointError
-from diloco.cli.common import SECTIONS, fail, process_metrics, process_status, run_config, run_dir, section
+from diloco.cli.common import SECTIONS, check_renamed, fail, process_metrics, process_status, run_config, run_dir, section
 from diloco.coordinator.init_file import InitFileError
 from diloco.data import DataError
 from diloco.io import exit_process
@@ -39,6 +41,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_renamed(sys.argv[1:])  # before hydra, which would only say the key is unknown
     _main()
 
 

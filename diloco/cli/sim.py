@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.app.config import ConfigError
-from diloco.cli.common import SECTIONS, fail, process_progress, run_config, run_dir, section
+from diloco.cli.common import SECTIONS, check_renamed, fail, process_progress, run_config, run_dir, section
 from diloco.data import DataError
 from diloco.io import exit_process
 from diloco.observe.logs import setup_logging
@@ -29,7 +30,7 @@ def _main(cfg: DictConfig) -> None:
         fail(f"bad config: {e}")
     out = run_dir()
     log = setup_logging("diloco-sim", json=rc.logging.json)
-    log(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync_every} rounds={rc.rounds} -> {out}")
+    log(f"diloco-sim: mode={rc.mode} workers={rc.workers} model={rc.model.name} H={rc.sync.every} rounds={rc.rounds} -> {out}")
     try:
         sim = section(cfg, "sim")
         summary = run_simulation(
@@ -51,6 +52,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_renamed(sys.argv[1:])  # before hydra, which would only say the key is unknown
     _main()
 
 

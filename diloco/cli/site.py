@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from diloco.app.config import ConfigError
 from diloco.app.site import SiteOptions, run_site
-from diloco.cli.common import SECTIONS, fail, process_metrics, process_progress, run_config, run_dir, section
+from diloco.cli.common import SECTIONS, check_renamed, fail, process_metrics, process_progress, run_config, run_dir, section, stated_overrides
 from diloco.data import DataError
 from diloco.io import exit_process
 from diloco.observe.logs import setup_logging
@@ -23,7 +25,7 @@ def _main(cfg: DictConfig) -> None:
         s = section(cfg, "site")
         opts = SiteOptions(
             site_id=str(s["id"]), coordinator=s["coordinator"], shard=s["shard"], connect_timeout_s=float(s["connect_timeout_s"]), checkpoint_dir=s["checkpoint_dir"],
-            metrics=process_metrics(cfg), progress=process_progress(cfg),
+            metrics=process_metrics(cfg), progress=process_progress(cfg), stated=stated_overrides(),
         )  # fmt: skip
         opts.data_shard(rc.sites)
         run_site(rc, opts, run_dir(), log=setup_logging(f"site {opts.site_id}", json=rc.logging.json))
@@ -39,6 +41,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    check_renamed(sys.argv[1:])  # before hydra, which would only say the key is unknown
     _main()
 
 

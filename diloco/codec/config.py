@@ -8,22 +8,22 @@ from typing import Any
 
 from diloco.codec.base import Codec
 from diloco.codec.registry import ZSTD_SUFFIX, make_codec
+from diloco.fields import setting
 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """name: fp32 fp16 bf16 int8 int4 e3m0 topk2bit. zstd: follow it with zstd (after a
-    byte-plane shuffle) at ``zstd_level``. block: values per scale of int8 / int4 / e3m0,
-    values per top-k selection of topk2bit (None: the codec's default). density: share of values topk2bit keeps (None: 0.02).
-    A parameter the codec does not take is an error, never silently ignored; zstd_level is
-    read only when zstd is on (the shipped configs carry it for every codec).
-    """
+    """A codec section (``codec``, ``codec_down``; conf/codec). A parameter the codec does not
+    take is an error, never silently ignored; the shipped configs carry zstd_level for every codec."""
 
-    name: str = "fp32"
-    zstd: bool = False
-    zstd_level: int = 3
-    block: int | None = None
-    density: float | None = None
+    name: str = setting("fp32", doc="the encoding: fp32 | fp16 | bf16 | int8 | int4 | e3m0 | topk2bit (conf/codec)")
+    zstd: bool = setting(False, doc="follow the codec with zstd, after a byte-plane shuffle")
+    zstd_level: int = setting(3, doc="zstd's compression level; read only with zstd=true")
+    block: int | None = setting(
+        None,
+        doc="int8, int4, e3m0: values per float32 scale; topk2bit: values per top-k selection; null: the codec's default (int8, e3m0 1024; int4 128; topk2bit 4096)",
+    )
+    density: float | None = setting(None, doc="topk2bit: the share of each block's values kept (the largest magnitudes); null: 0.02")
 
     def __post_init__(self) -> None:
         if not isinstance(self.zstd, bool):

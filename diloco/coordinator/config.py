@@ -11,7 +11,22 @@ from diloco.coordinator.round_policy import QuorumConfig, RoundPolicy
 from diloco.outer import RobustConfig, check_aggregate
 from diloco.outer.fragments import check_split
 from diloco.security.ids import check_site_id
+from diloco.sync import FragmentEnd, RunSettings
 from diloco.wire import MAX_CHUNK_BYTES
+
+
+def _mechanics(settings: RunSettings) -> dict[str, object]:
+    """The coordinator's round mechanics that follow from a run's settings."""
+    sync, total = settings.sync, settings.total_rounds
+    return {
+        "total_rounds": total,
+        "fragments": sync.fragments,
+        "fragment_split": str(sync.split),
+        "flush_rounds": total - settings.rounds * sync.fragments,
+        "frozen_end": sync.fragments > 1 and sync.end == FragmentEnd.FREEZE,
+        "codec_down": settings.codec_down,
+        "error_feedback_down": settings.error_feedback,
+    }
 
 
 @dataclass(frozen=True)
@@ -21,7 +36,7 @@ class CoordinatorConfig:
     quorum: QuorumConfig = field(default_factory=QuorumConfig)  # leases, the round deadline, late pushes
     codec_down: CodecConfig | str = "fp32"  # the update's encoding (a config, or a wire name: made a CodecConfig here)
     error_feedback_down: bool = True  # carry the downlink codec's error into the next update
-    aggregate: str = "mean"  # mean | nonzero: see WeightedMean
+    aggregate: str = "mean"  # the round's average: mean | nonzero | trimmed_mean | median (diloco.outer.aggregate)
     chunk_bytes: int = MAX_CHUNK_BYTES
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
     keep_updates: int = 2  # committed updates kept for PullUpdate; older ones need PullGlobal
@@ -29,8 +44,10 @@ class CoordinatorConfig:
     checkpoint_dir: str | None = None  # write an atomic checkpoint here after every commit, before publishing it
     guard: GuardConfig = field(default_factory=GuardConfig)  # the loss-spike guard (off by default)
     robust: RobustConfig = field(default_factory=RobustConfig)  # defences against poisoned or broken pushes (off by default)
-    sync_every: int | None = None  # the run's H: a site that says another one is refused at Join
-    codec_up: str | None = None  # the uplink codec's wire name: a site that says another one is refused
+    # The run's settings, handed out at Join (a site that states another value is refused,
+    # naming the key); None: the coordinator owns none (a library coordinator: sites go by
+    # their own). Given, the round mechanics below must agree with it (CoordinatorConfig.of_run).
+    settings: RunSettings | None = None
     init_source: str = "the run's model config"  # where θ₀ comes from, named in Join refusals
     site_eval_every: int = 0  # evaluation by sites: they evaluate θ after every k-th round (0: the coordinator evaluates, or nobody)
     sites: tuple[str, ...] | None = None  # the site ids that may join (those the run issued credentials for); None: any valid id, up to max_sites
@@ -42,7 +59,7 @@ class CoordinatorConfig:
     # The last this many rounds are streaming's flush rounds (F − 1 with fragments): they average
     # the sites' last partial phases into θ without the outer step (OuterOptimizer.average_from).
     flush_rounds: int = 0
-    # fragment_end=freeze: each fragment's last round ends it (nothing trains after it), so under
+    # sync.end=freeze: each fragment's last round ends it (nothing trains after it), so under
     # the outer step's final average the last F rounds average, not only the last.
     frozen_end: bool = False
     # A whole pull's small chunks go in bundles (diloco.wire.bundles) of at most chunk_bytes:
@@ -58,8 +75,6 @@ class CoordinatorConfig:
             raise ValueError(f"quorum={self.quorum!r}: must be a QuorumConfig")
         object.__setattr__(self, "codec_down", codec_config(self.codec_down))
         check_aggregate(self.aggregate)
-        if self.robust.aggregate != "mean" and self.aggregate == "nonzero":
-            raise ValueError(f"robust.aggregate={self.robust.aggregate} cannot be combined with aggregate=nonzero")
         if self.sites is not None:
             object.__setattr__(self, "sites", tuple(check_site_id(s) for s in self.sites))
             if not self.sites:
@@ -85,6 +100,17 @@ class CoordinatorConfig:
             raise ValueError(f"staging_timeout_s={self.staging_timeout_s}: must be > 0")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
+        if self.settings is not None:
+            derived = _mechanics(self.settings)
+            wrong = [f"{k}={getattr(self, k)!r} (the settings': {v!r})" for k, v in derived.items() if getattr(self, k) != v]
+            if wrong:
+                raise ValueError("the round mechanics disagree with the run's settings: " + "; ".join(wrong))
+
+    @staticmethod
+    def of_run(settings: RunSettings, **options: object) -> CoordinatorConfig:
+        """The config of a coordinator that owns ``settings``: its rounds, fragments and downlink
+        follow from them; ``options``: the coordinator's own fields (quorum, checkpoint_dir, ...)."""
+        return CoordinatorConfig(settings=settings, **_mechanics(settings), **options)  # type: ignore[arg-type]
 
     @property
     def bundle_bytes(self) -> int:

@@ -14,14 +14,18 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from diloco.fields import setting
+
 
 @dataclass(frozen=True)
 class GuardConfig:
     """The run config's ``guard`` section; factor 0 turns the guard off."""
 
-    factor: float = 0.0
-    window: int = 5
-    min_rounds: int = 3
+    factor: float = setting(
+        0.0, doc="a round whose mean Δ norm exceeds factor × the median of the last `window` accepted rounds' norms is rejected (θ stays); 0: off, else > 1"
+    )
+    window: int = setting(5, doc="accepted rounds whose Δ norms make the median")
+    min_rounds: int = setting(3, doc="accepted rounds needed before the guard judges, in 1..window")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.factor, (int, float)) and (self.factor == 0 or self.factor > 1)):

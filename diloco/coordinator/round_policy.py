@@ -16,6 +16,8 @@ import statistics
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
+from diloco.fields import setting
+
 DEADLINES = ("none", "fixed", "median")
 LATE_POLICIES = ("drop", "merge")
 WITHHELD_POLICIES = ("skip", "zero")
@@ -23,25 +25,34 @@ WITHHELD_POLICIES = ("skip", "zero")
 
 @dataclass(frozen=True)
 class QuorumConfig:
-    """The run config's ``quorum`` section: leases and the round deadline (min_sites is the
-    coordinator's option)."""
+    """The run config's ``quorum`` section: who a round waits for (the coordinator's own
+    coordinator.min_sites overrides min_sites)."""
 
-    lease_s: float = 60.0  # a site silent this long (no call, no heartbeat) is evicted until it joins again
-    min_sites: int | None = None  # a round never closes with fewer pushes; None: a majority of the sites (sites // 2 + 1)
-    deadline: str = "none"
-    deadline_s: float = 60.0
-    deadline_factor: float = 1.5
-    late: str = "drop"  # a push for a round that closed without it: drop (refused) | merge (into the open round)
-    late_discount: float = 0.5  # merge: its weight is tokens x late_discount ** staleness (rounds late)
-    max_staleness: int = 2  # merge: a push more rounds late than this is dropped all the same
-    # How a withheld push (a site with no Δ for the round) weighs in the round's mean: skip (the
-    # mean of the Δ received) | zero (a zero Δ with its tokens: the step shrinks by the share
-    # of the round's tokens whose Δ was lost). aggregate=mean only; the others skip it.
-    withheld: str = "skip"
-    # A fresh run's start: the first pull of θ waits until every site of the run has asked for
-    # it, up to this many seconds after the first did, so that every site starts round 0 at
-    # once (which sites make round 0 must not depend on which process started first). 0: off.
-    start_wait_s: float = 60.0
+    lease_s: float = setting(60.0, doc="a site silent this many seconds (no call, no heartbeat) is evicted until it joins again")
+    min_sites: int | None = setting(
+        None,
+        doc="a round never closes with fewer pushes; null: a majority of the sites (sites // 2 + 1), so a run goes on without a dead site once its lease ends",
+    )
+    deadline: str = setting(
+        "none",
+        doc="none: wait for every active site | fixed: deadline_s after the round opens | median: deadline_factor × the median push time, once the quorum is in",
+    )
+    deadline_s: float = setting(60.0, doc="deadline=fixed: seconds from the round's opening to its deadline")
+    deadline_factor: float = setting(
+        1.5, doc="deadline=median: the deadline as a multiple (>= 1) of the median push time (opening to arrival) of the pushes in"
+    )
+    late: str = setting("drop", doc="a push for a round that closed without it: drop (refused; the site pulls θ) | merge (into the open round)")
+    late_discount: float = setting(0.5, doc="late=merge: a late push weighs tokens × late_discount ** rounds late, in (0, 1]")
+    max_staleness: int = setting(2, doc="late=merge: a push more than this many rounds late is dropped all the same")
+    withheld: str = setting(
+        "skip",
+        doc="a site with no Δ for a round: skip (the mean of the Δ received) | zero (a zero Δ with its tokens: the step shrinks with the share lost; only with aggregate=mean)",
+    )
+    # Which sites make round 0 must not depend on which process started first.
+    start_wait_s: float = setting(
+        60.0,
+        doc="a fresh run's first pull of θ waits until every site has asked, or this many seconds after the first did, so all start round 0 together; 0: off",
+    )
 
     def __post_init__(self) -> None:
         if self.late not in LATE_POLICIES:

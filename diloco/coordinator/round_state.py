@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from diloco.outer import NormVerdict, RobustConfig, StackedAggregate, WeightedMean, make_aggregate
+from diloco.outer import NormVerdict, StackedAggregate, WeightedMean, make_aggregate
 from diloco.types import PushHeader
 
 
@@ -33,11 +33,11 @@ class RoundState:
 
     @staticmethod
     def open(
-        number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig, fragment: int = 0, withheld: str = "skip"
+        number: int, opened_at: float, shapes: Mapping[str, torch.Size], aggregate: str, trim: float = 0.25, fragment: int = 0, withheld: str = "skip"
     ) -> RoundState:
         """``shapes``: the parameters the round syncs (with fragments, fragment ``fragment``'s);
-        ``withheld``: quorum.withheld."""
-        acc = make_aggregate(shapes, aggregate, robust)
+        ``aggregate``, ``trim``: the run's average (diloco.outer.make_aggregate); ``withheld``: quorum.withheld."""
+        acc = make_aggregate(shapes, aggregate, trim)
         return RoundState(number=number, opened_at=opened_at, acc=acc, names=tuple(sorted(shapes)), fragment=fragment, zero_withheld=withheld == "zero")
 
     def take(

@@ -104,7 +104,7 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
         self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
         self._start = clock()
         self._split: tuple[tuple[str, ...], ...] = ((),)
-        self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust, withheld=cfg.quorum.withheld)
+        self._round = RoundState.open(0, self._start, {}, cfg.aggregate, cfg.robust.trim, withheld=cfg.quorum.withheld)
         if params is not None:
             self._install(params, cfg.init_source)
         self._staging = StagingPool(cfg.max_concurrent_pushes, cfg.staging_timeout_s)
@@ -143,7 +143,9 @@ class Coordinator(PushIntake, SiteSessions, Pulls):
     def _open_round(self, number: int, opened_at: float) -> RoundState:
         fragment = fragment_of_round(number, self.cfg.fragments)
         names = self._split[fragment] if len(self._split) > fragment else ()  # before θ₀ (init=site): none
-        return RoundState.open(number, opened_at, {n: self._shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust, fragment, self.cfg.quorum.withheld)
+        return RoundState.open(
+            number, opened_at, {n: self._shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust.trim, fragment, self.cfg.quorum.withheld
+        )
 
     def _round_specs(self, round: int) -> dict[str, TensorSpec]:
         """The tensors a push for ``round`` carries: every one, or its fragment's."""

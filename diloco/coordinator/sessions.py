@@ -25,7 +25,7 @@ from diloco.coordinator.parts import PartialPushes
 from diloco.coordinator.site_evals import SiteEvals
 from diloco.errors import CoordinatorError
 from diloco.security.ids import quote, site_id_problem
-from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
+from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 from diloco.wire import mismatches
 
 JOIN_WAIT_S = 20.0  # init=site: how long a Join waits for θ₀ before it is told to try again
@@ -43,6 +43,7 @@ class SiteSessions:
     _ready: bool
     _open: int
     _specs: dict[str, TensorSpec]
+    _split: tuple[tuple[str, ...], ...]
     _members: Membership
     _election: InitElection
     _left: dict[str, str]
@@ -55,25 +56,16 @@ class SiteSessions:
     _install: Callable[[Mapping[str, torch.Tensor], str], None]
     _checkpoint_state: Callable[..., dict[str, Any]]
 
-    def join(
-        self,
-        site_id: str,
-        specs: Iterable[TensorSpec],
-        *,
-        can_upload: bool = False,
-        sync_every: int = 0,
-        codec: str = "",
-        fragments: int = 0,
-        fragment_split: str = "",
-    ) -> JoinInfo:
-        """Admits a site whose model matches θ's fingerprint. Before θ₀ exists (init=site) the
-        first site that can upload becomes its source (``JoinInfo.upload_init``); the others
-        wait here for it, up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
+    def join(self, request: JoinRequest) -> JoinInfo:
+        """Admits a site whose model matches θ's fingerprint and whose stated settings are the
+        run's; answers with the run's settings. Before θ₀ exists (init=site) the first site that
+        can upload becomes its source (``JoinInfo.upload_init``); the others wait here for it,
+        up to ``JOIN_WAIT_S``, then are told to try again (unavailable)."""
+        site_id, specs, can_upload = request.site_id, list(request.specs), request.can_upload
         why = site_id_problem(site_id)
         if why is not None:
             raise CoordinatorError("invalid_argument", why)
-        self._check_settings(site_id, sync_every, codec, fragments, fragment_split)
-        specs = list(specs)
+        self._check_settings(site_id, request.stated)
         with self._cv:
             self._require_healthy()
             self._require_admissible(site_id)
@@ -118,32 +110,26 @@ class SiteSessions:
         self._parts.discard_site(site_id)
 
     def _join_info(self, upload_init: bool = False) -> JoinInfo:
+        settings = self.cfg.settings
         return JoinInfo(
             total_rounds=self.cfg.total_rounds,
             run_id=self.run_id,
             lease_s=self.cfg.quorum.lease_s,
             upload_init=upload_init,
             eval_every=self.cfg.site_eval_every,
+            settings=settings.to_dict() if settings is not None else None,
+            fragments=self._split if self._ready else (),
         )
 
-    def _check_settings(self, site_id: str, sync_every: int, codec: str, fragments: int = 0, fragment_split: str = "") -> None:
-        """A site that says its H, its fragments (their number and split) or its uplink codec must say the coordinator's."""
-        if fragments and fragments != self.cfg.fragments:
+    def _check_settings(self, site_id: str, stated: Mapping[str, Any]) -> None:
+        """A site that states a run setting must state the run's (a coordinator without settings checks none)."""
+        if self.cfg.settings is None or not stated:
+            return
+        conflicts = self.cfg.settings.conflicts(stated)
+        if conflicts:
+            shown = "; ".join(conflicts[:8])
             raise CoordinatorError(
-                "invalid_argument", f"site {site_id!r} has fragments={fragments}, this run has fragments={self.cfg.fragments}: use the run's value"
-            )
-        if fragment_split and self.cfg.fragments > 1 and fragment_split != self.cfg.fragment_split:
-            raise CoordinatorError(
-                "invalid_argument",
-                f"site {site_id!r} has fragment_split={fragment_split}, this run has fragment_split={self.cfg.fragment_split}: use the run's value",
-            )
-        if sync_every and self.cfg.sync_every is not None and sync_every != self.cfg.sync_every:
-            raise CoordinatorError(
-                "invalid_argument", f"site {site_id!r} has sync_every={sync_every}, this run has sync_every={self.cfg.sync_every}: use the run's value"
-            )
-        if codec and self.cfg.codec_up is not None and codec != self.cfg.codec_up:
-            raise CoordinatorError(
-                "invalid_argument", f"site {site_id!r} pushes with codec={quote(codec, 80)}, this run's codec is {self.cfg.codec_up}: use the run's codec"
+                "invalid_argument", f"site {site_id!r} states settings other than this run's: {shown}; use the run's values or leave them unset"
             )
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:

@@ -9,16 +9,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from diloco.fields import setting
+
 MAX_PORT = 65535
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class TensorBoardConfig:
-    """``enabled``: the coordinator writes <run dir>/tb/coordinator (one point per committed
-    round), each site <run dir>/tb/site-<id> (per inner step and per round)."""
+    """The run's ``tensorboard`` section (docs/observability.md); read with
+    ``tensorboard --logdir <run dir>/tb``."""
 
-    enabled: bool = True
+    enabled: bool = setting(
+        True,
+        doc="the coordinator writes <run dir>/tb/coordinator (a point per committed round), each site tb/site-<id> (per inner step and round); false: no event files",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -27,16 +32,14 @@ class TensorBoardConfig:
 
 @dataclass(frozen=True)
 class EndpointConfig:
-    """An HTTP endpoint's section (``SECTION``): ``port`` None, off; 0, any free port (logged,
-    and written to ``port_file``); a port already in use fails the start naming it. ``host``:
-    the address it listens on. Every check names the field."""
+    """An HTTP endpoint's section (``SECTION``). Every check names the field."""
 
     SECTION: ClassVar[str] = "endpoint"
     OFF: ClassVar[str] = "off"  # what port=null means, in the error message
 
-    port: int | None = None
-    host: str = "127.0.0.1"
-    port_file: str | None = None
+    port: int | None = setting(None, doc="the port it listens on: 0 any free one (logged, and written to port_file); null: off; a port in use fails the start")
+    host: str = setting("127.0.0.1", doc="the address it listens on (127.0.0.1: this machine only)")
+    port_file: str | None = setting(None, doc="where the endpoint's address is written as JSON (useful with port=0); null: nowhere")
 
     def __post_init__(self) -> None:
         check_endpoint(self.SECTION, self.port, self.host, self.port_file, off=self.OFF)
@@ -48,11 +51,17 @@ class EndpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig(EndpointConfig):
-    """One process's Prometheus endpoint (``GET /metrics``, prometheus_client's HTTP server);
-    ``port_file``: where {"host", "port", "url"} of the endpoint is written as JSON."""
+    """One process's Prometheus endpoint (``GET /metrics``, prometheus_client's HTTP server):
+    the ``metrics`` section of diloco-coordinator and diloco-site."""
 
     SECTION: ClassVar[str] = "metrics"
     OFF: ClassVar[str] = "no /metrics"
+
+    host: str = setting(
+        "127.0.0.1",
+        doc="the address it listens on; off loopback the coordinator's is HTTPS asking for a run CA client certificate (security.dir), others need security.insecure",
+    )
+    port_file: str | None = setting(None, doc='where {"host", "port", "url"} of the endpoint is written as JSON (useful with port=0); null: nowhere')
 
 
 def check_port(port: Any, field: str, off: str = "no /metrics") -> None:

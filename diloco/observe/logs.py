@@ -29,6 +29,8 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, TextIO
 
+from diloco.fields import setting
+
 Log = Callable[[str], None]
 
 # A text line: time, [process], level, message (the first line of a multi-line message).
@@ -38,9 +40,12 @@ FIELDS = ("time", "process", "level", "message")
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """The ``logging`` section of a run: ``json``: one JSON object per line instead of text."""
+    """The ``logging`` section of a run: every process's log lines (stdout; diloco-sim:
+    <run dir>/logs/<process>.log)."""
 
-    json: bool = False
+    json: bool = setting(
+        False, doc='false: text lines "<time> [<process>] LEVEL message"; true: one JSON object per line {time, process, level, message}, for log collectors'
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.json, bool):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from diloco.fields import setting
 from diloco.observe.config import parse_section
 
 MODES = ("auto", "bar", "lines", "off")
@@ -34,13 +35,10 @@ DRAW_EVERY_S = 0.2  # a bar is redrawn at most this often (a fast inner loop cal
 
 @dataclass(frozen=True)
 class ProgressConfig:
-    """The ``progress`` section of diloco-sim and diloco-site.
+    """The ``progress`` section of diloco-sim and diloco-site: live progress on the terminal."""
 
-    ``mode``: ``auto`` (a bar when stderr is a terminal, else plain lines), ``bar``, ``lines``
-    or ``off``. ``every_s``: plain lines at most this often (a line only when something moved)."""
-
-    mode: str = "auto"
-    every_s: float = 5.0
+    mode: str = setting("auto", doc="auto (a bar when stderr is a terminal, else plain lines) | bar | lines | off")
+    every_s: float = setting(5.0, doc="plain lines at most this often, in seconds (a line only when something moved)")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -119,7 +117,7 @@ class ProgressTracker:
     ) -> None:
         self.rounds, self.sites, self.round_steps = rounds, sites, round_steps
         self.train_rounds = rounds if train_rounds is None else train_rounds  # later rounds are flush rounds (no steps)
-        self.early = tuple(early)  # the steps of the first rounds (sync_every_schedule)
+        self.early = tuple(early)  # the steps of the first rounds (sync.schedule)
         self.window_s = window_s
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._first: tuple[float, int] | None = None

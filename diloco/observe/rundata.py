@@ -58,7 +58,9 @@ class RunData:
 
     @property
     def sync_every(self) -> int | None:
-        h = self._setting("sync_every")
+        h = self._setting("sync_every")  # summary.json's; config.json has it as sync.every
+        if h is None:
+            h = ((self.config or {}).get("sync") or {}).get("every")
         return int(h) if h is not None else None
 
     @property

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+from diloco.fields import setting
 from diloco.io import write_json_atomic
 from diloco.observe.config import EndpointConfig, parse_section
 from diloco.observe.status_state import RunState
@@ -58,12 +59,19 @@ class StatusPageError(ValueError):
 
 @dataclass(frozen=True)
 class StatusConfig(EndpointConfig):
-    """The coordinator's ``status`` section (port None: no page, the default). An address
-    other than loopback needs the run's TLS, or security.insecure. ``port_file``: where
-    {"host", "port", "url", "tls", "client_certificate", "token"} is written as JSON."""
+    """The coordinator's ``status`` section: a read-only status page of the run (GET / and
+    /status.json); port null (the default): no page."""
 
     SECTION: ClassVar[str] = "status"
     OFF: ClassVar[str] = "no status page"
+
+    host: str = setting(
+        "127.0.0.1",
+        doc="the address it listens on; off loopback it needs the run's TLS (security.dir) or security.insecure; it asks for the credentials security.auth names",
+    )
+    port_file: str | None = setting(
+        None, doc='where {"host", "port", "url", "tls", "client_certificate", "token"} is written as JSON (useful with port=0); null: nowhere'
+    )
 
 
 def status_config(values: Mapping[str, Any] | None, **extra: Any) -> StatusConfig:

@@ -6,7 +6,13 @@ from collections.abc import Mapping
 
 import torch
 
-AGGREGATES = ("mean", "nonzero")
+# The coordinator's average of a round's pseudo-gradients (the run's ``aggregate``): the
+# token-weighted mean over the sites (``mean``) or, per coordinate, over the sites whose Δ is
+# nonzero there (``nonzero``: the sparse codecs'), both streamed into one buffer
+# (WeightedMean); or a coordinate-wise robust statistic over the round's pushes, unweighted,
+# which keeps every push (``trimmed_mean``, ``median``: diloco.outer.robust.StackedAggregate).
+WEIGHTED = ("mean", "nonzero")
+AGGREGATES = (*WEIGHTED, "trimmed_mean", "median")
 
 
 def check_aggregate(name: object) -> None:
@@ -36,7 +42,8 @@ class WeightedMean:
     """
 
     def __init__(self, shapes: Mapping[str, torch.Size], aggregate: str = "mean") -> None:
-        check_aggregate(aggregate)
+        if aggregate not in WEIGHTED:
+            raise ValueError(f"aggregate={aggregate!r}: a weighted mean is one of {', '.join(WEIGHTED)}")
         self._shapes = dict(shapes)
         self._nonzero = aggregate == "nonzero"
         # Allocated (zeroed) by the first add, not when the round opens: a commit opens the

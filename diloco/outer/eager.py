@@ -1,7 +1,7 @@
 """Eager outer steps (arXiv 2502.12996): the next inner phase starts from a look-ahead of the
 outer step still in flight.
 
-Under ``outer_mode=eager`` a site pushes round k's Δ_k and starts the next inner phase without
+Under ``sync.mode=eager`` a site pushes round k's Δ_k and starts the next inner phase without
 waiting for the round; its mean lands one phase later. The paper's worker steps its own outer
 optimizer at once with a stand-in for the missing mean (its own fresh Δ_k and the other
 workers' Δ_{k−1}, each weighted 1/N), so every worker's outer state is its own.
@@ -49,7 +49,7 @@ AHEAD_WEIGHT = 0.0  # merge=ahead's w: the momentum alone (τ = 5: w = 0.5 cost 
 ALLOWED_KWARGS = ("foreach",)  # anything else (weight_decay, dampening, maximize) changes the step's rule
 
 
-def check_eager_outer(cfg: OuterConfig, what: str = "outer_mode=eager") -> None:
+def check_eager_outer(cfg: OuterConfig, what: str = "sync.mode=eager") -> None:
     """Refuses an outer step the look-ahead cannot follow, naming the field (``what``: the
     setting that needs the look-ahead)."""
     if cfg.name != "SGD":

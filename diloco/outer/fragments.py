@@ -9,7 +9,7 @@ fewest elements so far, so the fragments stay close in size. The split is a func
 names and shapes alone, so the coordinator and every site compute the same one without
 being told, and a run records it (``describe``).
 
-``fragment_split=balanced`` instead gives each fragment the same number of elements, as far as
+``sync.split=balanced`` instead gives each fragment the same number of elements, as far as
 whole tensors allow: every tensor, largest first, goes to the fragment with the fewest
 elements so far (longest-processing-time), so each fragment holds tensors of most layers. A
 model whose layers do not divide into F equal groups (8 layers in 5 fragments: three of
@@ -35,16 +35,16 @@ SPLITS = ("strided", "balanced")
 
 
 def check_split(how: object) -> str | None:
-    """Why ``fragment_split`` is not a split this module knows, or None."""
-    return None if how in SPLITS else f"fragment_split={how!r}: must be one of {', '.join(SPLITS)}"
+    """Why ``how`` (sync.split) is not a split this module knows, or None."""
+    return None if how in SPLITS else f"sync.split={how!r}: must be one of {', '.join(SPLITS)}"
 
 
 def split_fragments(shapes: Mapping[str, Sequence[int]], fragments: int, how: str = "strided") -> tuple[tuple[str, ...], ...]:
     """F tuples of parameter names (each sorted), together every name once. ValueError naming
     ``fragments`` when F is not a positive integer or exceeds the model's layers (``strided``)
-    or tensors (``balanced``), and naming ``fragment_split`` for an unknown ``how``."""
+    or tensors (``balanced``), and naming ``sync.split`` for an unknown ``how``."""
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"fragments={fragments!r}: must be an integer >= 1")
+        raise ValueError(f"sync.fragments={fragments!r}: must be an integer >= 1")
     why = check_split(how)
     if why is not None:
         raise ValueError(why)
@@ -56,7 +56,7 @@ def split_fragments(shapes: Mapping[str, Sequence[int]], fragments: int, how: st
     layers = sorted({i for i in (layer_of(n) for n in names) if i is not None})
     if len(layers) < fragments:
         raise ValueError(
-            f"fragments={fragments}: the model has only {len(layers)} layer(s) (numbered parameter names), so at most fragments={max(len(layers), 1)}"
+            f"sync.fragments={fragments}: the model has only {len(layers)} layer(s) (numbered parameter names), so at most sync.fragments={max(len(layers), 1)}"
         )
     slot = {layer: k % fragments for k, layer in enumerate(layers)}
     parts: list[list[str]] = [[] for _ in range(fragments)]
@@ -79,7 +79,7 @@ def split_fragments(shapes: Mapping[str, Sequence[int]], fragments: int, how: st
 def _balanced(shapes: Mapping[str, Sequence[int]], names: list[str], fragments: int) -> tuple[tuple[str, ...], ...]:
     """Largest tensor first (ties in the model's layer order), each to the smallest fragment."""
     if len(names) < fragments:
-        raise ValueError(f"fragments={fragments}: the model has only {len(names)} tensor(s), so at most fragments={max(len(names), 1)}")
+        raise ValueError(f"sync.fragments={fragments}: the model has only {len(names)} tensor(s), so at most sync.fragments={max(len(names), 1)}")
     parts: list[list[str]] = [[] for _ in range(fragments)]
     size = [0] * fragments
     for n in sorted(names, key=lambda n: (-_numel(shapes[n]), _layer_or_first(n), n)):

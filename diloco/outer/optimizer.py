@@ -18,7 +18,8 @@ MOMENTUM_OPTIMIZERS = ("SGD", "DelayedNesterov")  # those whose momentum a sched
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Any torch.optim optimizer by class name, or ``DelayedNesterov``; the default is DiLoCo's
+    """A resolved outer step (a run's comes from its ``outer`` section: diloco.outer.defaults):
+    any torch.optim optimizer by class name, or ``DelayedNesterov``; the default is DiLoCo's
     Nesterov SGD. ``period`` is DelayedNesterov's: outer steps between momentum updates.
     ``lr_warmup``, ``lr_decay``, ``lr_min_ratio`` and ``momentum_warmup``: the schedules of
     diloco.outer.schedule (none by default)."""
@@ -33,7 +34,6 @@ class OuterConfig:
     lr_decay: str = "none"  # none | linear | cosine, after the warm-up, to lr_min_ratio x lr at the end
     lr_min_ratio: float = 0.0
     momentum_warmup: int = 0  # outer steps of a linear momentum warm-up from 0 (0: none)
-    auto: bool = True  # the run's default outer step when it sets none (diloco.outer.defaults); false: exactly what is written
     # Each parameter's last outer step is an average (θ − mean Δ) instead: the run ends on what
     # the sites trained, not extrapolated once more by the momentum (docs/outer.md).
     final_average: bool = False
@@ -45,7 +45,7 @@ class OuterConfig:
             raise ValueError(f"outer.lr={self.lr}: must be a finite number > 0")
         if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or not (math.isfinite(self.momentum) and self.momentum >= 0):
             raise ValueError(f"outer.momentum={self.momentum}: must be a finite number >= 0")
-        for flag in ("auto", "final_average"):
+        for flag in ("nesterov", "final_average"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"outer.{flag}={getattr(self, flag)!r}: must be true or false")
         schedule = self.schedule  # checks its own fields
@@ -116,7 +116,7 @@ def averaged_from(total_rounds: int, flush_rounds: int, final_average: bool, las
     A round averages when nothing trains after it. With flush rounds that is only the last
     fragment's last round of training: every other fragment trains on after its last round
     and its flush round (an average) ends it. Averaging those rounds too (the rule until
-    2026-12-05) measured worse for streaming (docs/streaming.md). Under ``fragment_end=freeze``
+    2026-12-05) measured worse for streaming (docs/streaming.md). Under ``sync.end=freeze``
     each fragment stops at its last round: ``last`` = F, the last round of every fragment."""
     trained = total_rounds - flush_rounds
     if final_average:

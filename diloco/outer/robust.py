@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from diloco.outer.aggregate import WeightedMean, check_aggregate
+from diloco.fields import setting
+from diloco.outer.aggregate import WEIGHTED, WeightedMean, check_aggregate
 from diloco.outer.optimizer import l2
 
 ACTIONS = ("reject", "clip")
-ROBUST_AGGREGATES = ("mean", "trimmed_mean", "median")
 
 
 def _is_int(value: object) -> bool:
@@ -32,33 +32,22 @@ def _is_real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class RobustConfig:
-    """The run config's ``robust:`` section. The defaults change nothing: no norm bound, the
-    coordinator's weighted mean.
+    """The run config's ``robust:`` section: a bound on each push's norm (off by default) and
+    trimmed_mean's trim (the run's ``aggregate`` picks the statistic: diloco.outer.aggregate).
+    norm_ratio must be 0 or > 1: the reference is the honest pushes' median, so a ratio ≤ 1
+    would refuse about half of them."""
 
-    Fields:
-        norm_ratio: a push whose ‖Δ‖ exceeds ``norm_ratio`` × the reference norm is refused or
-            clipped (``action``). 0 turns the bound off; otherwise > 1, since a ratio ≤ 1 would
-            refuse about half of the honest pushes (the reference is their median).
-        action: ``"reject"`` refuses the push; ``"clip"`` scales its Δ down to
-            ``norm_ratio`` × the reference and takes it.
-        window: the reference is the median of the norms of the last ``window`` pushes that were
-            taken (clipped ones with their clipped norm), this round's so far and earlier
-            rounds'. An integer >= 1.
-        min_history: before this many norms are known, every push with a finite norm is taken:
-            the first pushes of a run are trusted. An integer in [1, window].
-        aggregate: ``"mean"`` keeps the coordinator's streaming token-weighted mean;
-            ``"trimmed_mean"`` and ``"median"`` are coordinate-wise and unweighted
-            (StackedAggregate), at the cost of keeping every push in memory.
-        trim: for ``"trimmed_mean"``, the fraction of pushes cut from *each* end per coordinate,
-            in [0, 0.5). 0.25 drops the top and bottom quarter: one poisoner in four is cut.
-    """
-
-    norm_ratio: float = 0.0
-    action: str = "reject"
-    window: int = 16
-    min_history: int = 3
-    aggregate: str = "mean"
-    trim: float = 0.25
+    norm_ratio: float = setting(
+        0.0, doc="a push whose ‖Δ‖ exceeds norm_ratio × the median of the last `window` taken pushes' norms is refused or clipped (action); 0: off, else > 1"
+    )
+    action: str = setting("reject", doc="reject (not counted; the site still gets the round's update) | clip (its Δ scaled down to the bound and taken)")
+    window: int = setting(
+        16, doc="pushes whose norms make the reference median: the last taken (clipped ones with their clipped norm), this round's and earlier rounds'"
+    )
+    min_history: int = setting(3, doc="norms known before the bound judges, in 1..window: the first pushes of a run are trusted")
+    trim: float = setting(
+        0.25, doc="aggregate=trimmed_mean: the share of pushes cut from each end per coordinate, in [0, 0.5) (0.25: one poisoner in four is cut)"
+    )
 
     def __post_init__(self) -> None:
         if not _is_real(self.norm_ratio) or not (self.norm_ratio == 0 or self.norm_ratio > 1):
@@ -70,8 +59,6 @@ class RobustConfig:
             raise ValueError(f"robust.window={self.window!r}: must be an integer >= 1")
         if not _is_int(self.min_history) or not 1 <= self.min_history <= self.window:
             raise ValueError(f"robust.min_history={self.min_history!r}: must be an integer in [1, robust.window={self.window}]")
-        if self.aggregate not in ROBUST_AGGREGATES:
-            raise ValueError(f"robust.aggregate={self.aggregate!r}: must be one of {', '.join(ROBUST_AGGREGATES)}")
         if not _is_real(self.trim) or not 0 <= self.trim < 0.5:
             raise ValueError(f"robust.trim={self.trim!r}: must be a number in [0, 0.5)")
         object.__setattr__(self, "trim", float(self.trim))
@@ -245,13 +232,11 @@ class StackedAggregate:
         return out
 
 
-def make_aggregate(shapes: Mapping[str, torch.Size], aggregate: str, robust: RobustConfig) -> WeightedMean | StackedAggregate:
-    """The round's accumulator: WeightedMean for ``robust.aggregate == "mean"`` (with the run's
-    ``aggregate``, mean or nonzero), else a StackedAggregate. A robust aggregate cannot be
-    combined with ``aggregate="nonzero"`` (the sparse codecs' per-coordinate divisor)."""
+def make_aggregate(shapes: Mapping[str, torch.Size], aggregate: str, trim: float = 0.25) -> WeightedMean | StackedAggregate:
+    """The round's accumulator for the run's ``aggregate`` (diloco.outer.aggregate.AGGREGATES):
+    a WeightedMean for mean and nonzero, a StackedAggregate (``trim``: trimmed_mean's share
+    cut from each end) for the robust statistics."""
     check_aggregate(aggregate)
-    if robust.aggregate == "mean":
+    if aggregate in WEIGHTED:
         return WeightedMean(shapes, aggregate)
-    if aggregate == "nonzero":
-        raise ValueError(f"aggregate={aggregate!r} with robust.aggregate={robust.aggregate!r}: a robust aggregate needs aggregate='mean'")
-    return StackedAggregate(shapes, robust.aggregate, robust.trim)
+    return StackedAggregate(shapes, aggregate, trim)

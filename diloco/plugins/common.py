@@ -12,19 +12,20 @@ from diloco.security.config import SecurityConfig
 class SiteSettings:
     """The arguments every plug-in takes (see its class docstring), checked when given.
 
-    ``error_feedback``, ``error_feedback_decay`` and ``round_timeout_s`` are the site's sync
-    settings, as for ``diloco.DiLoCo`` (keyword-only).
+    ``sync_every``, ``codec``, ``error_feedback`` and ``error_feedback_decay`` are the run's
+    settings as for ``diloco.DiLoCo``: None takes the coordinator's, a value is stated at Join
+    (a run with another one refuses the site); ``round_timeout_s`` is the site's own.
     """
 
     def __init__(
         self,
         coordinator: str,
         site_id: str,
-        sync_every: int,
-        codec: CodecConfig | str = "fp32",
+        sync_every: int | None = None,
+        codec: CodecConfig | str | None = None,
         tokens_per_step: int | None = None,
         *,
-        error_feedback: bool = True,
+        error_feedback: bool | None = None,
         error_feedback_decay: float | None = None,
         round_timeout_s: float = 3600.0,
         connect_timeout_s: float = 120.0,

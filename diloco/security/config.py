@@ -5,22 +5,24 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from diloco.fields import setting
+
 AUTHS = ("mtls", "token", "both")
 
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """``dir`` holds what ``diloco-certs`` wrote (each machine needs only its own part).
+    """The run config's ``security`` section. Without ``dir`` there are no credentials: any
+    client may claim any site id, which is allowed on loopback only, unless ``insecure``."""
 
-    Without ``dir`` there are no credentials: plaintext, and any client may claim any site id,
-    which is allowed on loopback only, unless ``insecure`` says otherwise explicitly.
-    """
-
-    dir: str | None = None
-    tls: bool = True  # with dir: TLS on every channel, the coordinator's certificate from the run CA
-    auth: str = "both"  # with dir: how a site proves its id: mtls (its certificate) | token (bearer token) | both
-    insecure: bool = False  # allow plaintext, or no credentials, on an address other than loopback
-    server_name: str | None = None  # the name sites check in the coordinator's certificate; null: the host they dial
+    dir: str | None = setting(
+        None,
+        doc="the credentials directory diloco-certs wrote (each machine needs only its own part); null: plaintext without credentials (loopback only, unless insecure)",
+    )
+    tls: bool = setting(True, doc="with dir: TLS on every channel, the coordinator's certificate from the run CA")
+    auth: str = setting("both", doc="with dir: how a site proves its id: mtls (its certificate) | token (bearer token) | both")
+    insecure: bool = setting(False, doc="allow plaintext, or calls without credentials, on an address other than loopback")
+    server_name: str | None = setting(None, doc="the name sites check in the coordinator's certificate; null: the host they dial")
 
     def __post_init__(self) -> None:
         if self.auth not in AUTHS:

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         run_coordinator(cfg, opts, args.run_dir, log=log, attach=coordinator_hooks(plan) if plan else None)
     elif args.role == "site":
         from diloco.app.site import SiteOptions, run_site
+        from diloco.sync import SHARED
 
         # A site of several ranks: faults are injected into its leader (rank 0); a killed rank
         # takes its torchrun group down with it, and the simulator starts the group again.
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = SiteOptions(
             site_id=args.site_id, coordinator=args.coordinator, coordinator_port_file=args.coordinator_port_file, incarnation=args.incarnation,
             checkpoint_dir=args.checkpoint_dir, gpu=gpu, metrics=metrics,
+            stated=SHARED,  # every process of a simulation has the whole run config: the site states all of it
         )  # fmt: skip
         run_site(cfg, opts, args.run_dir, log=log, hooks=faults)
     else:

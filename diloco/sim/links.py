@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.fields import setting
+
 WAN_KEYS = ("bandwidth_mbit", "up_mbit", "down_mbit", "rtt_ms", "jitter_ms", "window_kb")  # a link's config form
 
 
@@ -19,15 +21,15 @@ class LinkSpec:
     coordinator -> site; for the coordinator's shared link, up is what the coordinator sends
     (to every site) and down what it receives (from every site)."""
 
-    up_mbit: float | None = None  # bandwidth up, Mbit/s (1e6 bit/s); None: unlimited
-    down_mbit: float | None = None  # bandwidth down, Mbit/s; None: unlimited
-    rtt_ms: float = 0.0  # round-trip time the link adds: rtt/2 each direction
-    jitter_ms: float = 0.0  # extra one-way delay per segment, uniform in [0, jitter_ms]; order kept
-    # The most bytes one connection may have sent and not yet acknowledged, per direction, in
-    # KiB (TCP's window: the smaller of the congestion window and the receiver's buffer); a
-    # byte is acknowledged one round trip after it left the sender's link, so one connection
-    # carries at most window / RTT. None: no limit (a connection can fill the link at once).
-    window_kb: float | None = None
+    up_mbit: float | None = setting(None, doc="bandwidth up, Mbit/s (1e6 bit/s); null: unlimited (bandwidth_mbit sets both directions)")
+    down_mbit: float | None = setting(None, doc="bandwidth down, Mbit/s (1e6 bit/s); null: unlimited")
+    rtt_ms: float = setting(0.0, doc="round-trip time the link adds, ms: rtt/2 each direction")
+    jitter_ms: float = setting(0.0, doc="extra one-way delay per segment, ms, uniform in [0, jitter_ms]; byte order kept")
+    # TCP's window: the smaller of the congestion window and the receiver's buffer. A byte is
+    # acknowledged one round trip after it left the sender's link.
+    window_kb: float | None = setting(
+        None, doc="the most bytes (KiB) one connection has sent and not yet acknowledged, per direction: at most window/RTT per connection; null: no limit"
+    )
 
     def problem(self, where: str) -> str | None:
         """What is wrong with this spec, naming the field under ``where``; None if nothing."""

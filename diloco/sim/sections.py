@@ -88,10 +88,10 @@ def check_before_start(cfg: RunConfig) -> None:
     init file that does not load or does not fit the model the sites build."""
     try:
         resolve_device(cfg.device)
-        if cfg.init.source == "file" or not is_builtin(cfg.model) or cfg.fragments > 1:
+        if cfg.init.source == "file" or not is_builtin(cfg.model) or cfg.sync.fragments > 1:
             model = build_model(cfg.model, cfg.seed)
-            if cfg.fragments > 1:
-                split_fragments({n: p.shape for n, p in model.named_parameters()}, cfg.fragments, cfg.fragment_split)
+            if cfg.sync.fragments > 1:
+                split_fragments({n: p.shape for n, p in model.named_parameters()}, cfg.sync.fragments, cfg.sync.split)
             if cfg.init.source == "file":
                 problems = mismatches(fingerprint(load_init_file(str(cfg.init.path))), fingerprint(dict(model.named_parameters())).values())
                 if problems:

@@ -25,7 +25,7 @@ def summarize(cfg: RunConfig, run_dir: Path, wall_s: float, wan: WanPlan | None 
     summary = Summary(
         mode=cfg.mode,
         sites=cfg.workers,
-        sync_every=cfg.sync_every,
+        sync_every=cfg.sync.every,
         rounds=cfg.rounds,
         rounds_committed=g.rounds_committed,
         rounds_rejected=sum(1 for m in metrics if m.rejected),

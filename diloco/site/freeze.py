@@ -1,4 +1,4 @@
-"""Fragments that have stopped training (``fragment_end=freeze``, docs/streaming.md).
+"""Fragments that have stopped training (``sync.end=freeze``, docs/streaming.md).
 
 At the end of a streaming run each fragment's last round is pushed H/F steps after the one
 before it, so fragments 0 .. F−2 would train on past their last sync and need flush rounds,

@@ -11,24 +11,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from diloco.fields import setting
 from diloco.model import lm_loss, model_logits
 
 
 @dataclass(frozen=True)
 class InnerConfig:
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    bf16: bool = False  # autocast forward/backward to bfloat16
-    # On the CPU, values below 1.2e-38 (subnormal floats: the softmax of bytes a confident model
-    # rules out) cost x86 cores many times an ordinary multiply; flushed to zero (the whole
-    # process: diloco.site.device.flush_denormals), a step keeps its speed as the model learns
-    # (scripts/bench_flush_denormal.py).
-    flush_denormal: bool = True
+    """The ``inner`` section: each site's AdamW, with linear warm-up and cosine decay over the run's rounds × H steps."""
+
+    lr: float = setting(3e-3, doc="AdamW's peak learning rate, reached at the end of the warm-up")
+    min_lr_ratio: float = setting(0.1, doc="the cosine decay ends at lr × min_lr_ratio at the last step, in [0, 1]")
+    warmup_steps: int = setting(50, doc="inner steps of the linear lr warm-up (0: none)")
+    weight_decay: float = setting(0.1, doc="AdamW's weight decay, on matrices only (not on norms' gains or biases)")
+    beta1: float = setting(0.9, doc="AdamW's β1")
+    beta2: float = setting(0.95, doc="AdamW's β2")
+    grad_clip: float = setting(1.0, doc="the largest global gradient norm: gradients above it are scaled down to it; 0: no clipping")
+    bf16: bool = setting(False, doc="autocast forward and backward to bfloat16")
+    # On the CPU, subnormal floats (the softmax of bytes a confident model rules out) cost x86
+    # cores many times an ordinary multiply (scripts/bench_flush_denormal.py); flushing is set
+    # for the whole process (diloco.site.device.flush_denormals).
+    flush_denormal: bool = setting(
+        True, doc="CPU: every process of the run flushes subnormal floats (below 1.2e-38) to zero; without it a confident model's steps took 1.54x as long"
+    )
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from diloco.site.freeze import FrozenFragments
 from diloco.site.outer_sync import OuterSync, PendingRound
-from diloco.site.overlap import InFlight, SyncSchedule
+from diloco.site.overlap import InFlight
+from diloco.sync import SyncMode, SyncSchedule
 
 
 @dataclass
@@ -46,8 +47,8 @@ class RoundLoop:
 
     ``step(round, step)`` runs one inner step and returns its loss; ``tokens_per_step`` is the
     averaging weight of a step; ``on_round(pending, digest)`` is called with every round that
-    landed; ``mean`` averages a loss over the site's ranks; ``budget_s`` ends an inner phase
-    early (dynamic local steps)."""
+    landed; ``mean`` averages a loss over the site's ranks. The schedule's ``sync.budget_s``
+    ends an inner phase early (dynamic local steps)."""
 
     def __init__(
         self,
@@ -58,10 +59,10 @@ class RoundLoop:
         on_round: Callable[[PendingRound, str], None] = lambda _p, _d: None,
         *,
         mean: Callable[[float], float] = lambda x: x,
-        budget_s: float | None = None,
     ) -> None:
         self.sync, self.schedule = sync, schedule
-        self._step, self._tokens_per_step, self._on_round, self._mean, self._budget_s = step, tokens_per_step, on_round, mean, budget_s
+        self._step, self._tokens_per_step, self._on_round, self._mean = step, tokens_per_step, on_round, mean
+        self._budget_s = schedule.sync.budget_s
         # Overlapped rounds, and streaming's flush rounds (F > 1): up to F in flight at the run's end.
         flushes = schedule.train_rounds is not None and schedule.fragments > 1
         self.inflight = InFlight(sync, lanes=schedule.fragments if flushes else 1) if schedule.overlapped or flushes else None
@@ -69,9 +70,9 @@ class RoundLoop:
         # Steps of the phase being trained, or of the one just trained until its push: what
         # the site has trained beyond the rounds before it (site.py sets its lr schedule from it).
         self.phase_steps = 0
-        self.steps_per_round: dict[int, int] = {}  # inner steps per round pushed (fewer than H/F under budget_s)
+        self.steps_per_round: dict[int, int] = {}  # inner steps per round pushed (fewer than H/F under sync.budget_s)
         self.last_loss: dict[int, float] = {}  # the last inner loss of each round's phase
-        self.frozen = FrozenFragments(sync.layout)  # fragment_end=freeze: fragments past their last push
+        self.frozen = FrozenFragments(sync.layout)  # sync.end=freeze: fragments past their last push
 
     def run(self) -> None:
         sync, inflight = self.sync, self.inflight
@@ -104,7 +105,7 @@ class RoundLoop:
                     self._on_round(pending, digest)
                     continue
                 inflight.launch(pending)
-                if self.schedule.outer_mode != "blocking":
+                if self.schedule.sync.mode != SyncMode.BLOCKING:
                     sync.restart_phase(pending)
             while inflight is not None and inflight.busy:
                 self._land()
@@ -114,7 +115,7 @@ class RoundLoop:
                 self.stats.stall_s += inflight.stall_s
                 self.stats.stalls = inflight.stalls
         self.stats.ended = self.stats.ended or time.monotonic()
-        if self.schedule.outer_mode != "blocking":
+        if self.schedule.sync.mode != SyncMode.BLOCKING:
             sync.load_global()  # the last phase started from its own start point; the run ends at θ
 
     def _next_push(self) -> int:
@@ -146,7 +147,7 @@ class RoundLoop:
         self._on_round(pending, digest)
 
     def _phase(self) -> list[float]:
-        """Up to H/F inner steps (fewer under budget_s); with overlap, the round in flight is
+        """Up to H/F inner steps (fewer under sync.budget_s); with overlap, the round in flight is
         merged after τ of them."""
         # The round this phase's steps go to (with a round in flight, the one after it).
         round, land_after = self._next_push(), self.schedule.land_after

@@ -1,10 +1,16 @@
 """A site's half of the outer loop: join, push Δ, wait for the round, pull and apply u.
 
 The pieces: the protocol steps and their retries (exchange.py), the uplink error feedback
-(diloco.outer.ErrorFeedback), the counters (stats.py) and the outcome of a round
-(outcome.py). A round is three calls, so that the exchange can run in the background while
-the next inner phase trains: ``begin`` (Δ, encoded), ``exchange`` (network only, touches no
-model state) and ``finish`` (apply, load into the model). ``sync`` does all three.
+(diloco.outer.ErrorFeedback), where a phase starts (phase_start.py), how a landed round meets
+the local values (merge.py), the model as the sync sees it (local_model.py), the counters
+(stats.py) and the outcome of a round (outcome.py). A round is three calls, so that the
+exchange can run in the background while the next inner phase trains: ``begin`` (Δ,
+encoded), ``exchange`` (network only, touches no model state) and ``finish`` (apply, load
+into the model). ``sync`` does all three.
+
+The run's settings (H, fragments, codecs, merge, mode: diloco.sync.RunSettings) are the
+coordinator's: ``join`` states what this site's own configuration set explicitly (a
+coordinator with other values refuses it, naming the key) and takes the run's from the answer.
 """
 
 from __future__ import annotations
@@ -22,64 +28,66 @@ from torch import nn
 
 from diloco.boxes import Box
 from diloco.codec import CodecConfig, best_settings, codec_config, get_codec, is_lossless
-from diloco.outer import ErrorFeedback, OuterConfig, apply_update, nonfinite_count, params_sha256, pseudo_gradient
-from diloco.outer.eager import EAGER_WEIGHT, EagerStart, check_eager_outer
+from diloco.outer import ErrorFeedback, apply_update, nonfinite_count, params_sha256, pseudo_gradient
+from diloco.outer.defaults import section_of
+from diloco.outer.eager import EagerStart
 from diloco.outer.fragments import fragment_of_round, split_fragments
+from diloco.outer.optimizer import OuterConfig
 from diloco.site.exchange import Assembler, Timeouts, assemble, exchange
 from diloco.site.heartbeat import Heartbeat
 from diloco.site.host_copy import HostMirror
 from diloco.site.layouts.base import ParallelModel
+from diloco.site.local_model import LocalModel
+from diloco.site.merge import Delta, Mix, merge_for
 from diloco.site.outcome import RoundOutcome
+from diloco.site.phase_start import Delayed, FromGlobal, phase_start
 from diloco.site.stats import SyncStats
 from diloco.site.stripes import StripedPull, box_values, stripe_boxes
+from diloco.sync import RunSettings, SyncConfig
 from diloco.transport import CoordinatorClient, retrying
-from diloco.types import Chunk, JoinInfo, PushHeader, SiteEval
+from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, SiteEval
 from diloco.wire import MAX_CHUNK_BYTES, ChunkAssembler, SliceAssembler, encode_chunks
 
 
 @dataclass(frozen=True)
 class SyncOptions:
-    codec: CodecConfig | str = "fp32"  # the uplink's encoding of Δ
-    error_feedback: bool = True  # carry the codec's error into the next Δ (lossy codecs only)
-    error_feedback_decay: float | None = None  # β: the share of the last residual added to the next Δ; None: the codec's best
-    chunk_bytes: int = MAX_CHUNK_BYTES
-    sync_every: int = 0  # told to the coordinator at Join (0: not said), which refuses another H
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    fragments: int = 1  # streaming: round r syncs fragment r mod F (told at Join; the coordinator refuses another F)
-    fragment_split: str = "strided"  # how the parameters split into fragments (diloco.outer.fragments.SPLITS; told at Join too)
-    alpha: float = 0.0  # a landed fragment is merged into the model as α·local + (1−α)·global (0: replaced)
-    # "alpha": the merge above; "delta": θ + the local steps taken since the push (local −
-    # local at the push), so the overlapped steps are neither lost nor counted twice; "ahead":
-    # delta, with the overlapped steps taken from a look-ahead of the outer step in flight (the
-    # fragment moved by the coordinator's momentum, and by eager_weight × the site's own Δ in
-    # place of the mean: diloco.outer.eager), so they start nearer where the merge puts them.
-    merge: str = "alpha"
-    # Where each round's Δ is measured from: "global" (θ, DiLoCo and streaming), or the inner
-    # phase's own start point, which the site sets when it pushes without waiting for the
-    # round: "delayed" (θ as known then, one round old) or "eager" (that θ plus what the outer
-    # step makes of the site's own Δ, weighted eager_weight, in place of the average still in
-    # flight: diloco.outer.eager).
-    start_point: str = "global"
-    outer: OuterConfig | None = None  # eager, merge=ahead: the run's outer step, which the look-ahead follows
-    eager_weight: float = EAGER_WEIGHT  # eager, merge=ahead: the own Δ's weight in the stand-in for the mean in flight
-    streams: int = 1  # connection striping: each push and pull over this many concurrent streams (the client needs as many)
+    """A site's own side of the sync: what it states at Join, and how it talks."""
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha={self.alpha!r}: must be in [0, 1]")
-        if self.merge not in ("alpha", "delta", "ahead"):
-            raise ValueError(f"merge={self.merge!r}: must be alpha, delta or ahead")
-        if self.start_point not in ("global", "delayed", "eager"):
-            raise ValueError(f"start_point={self.start_point!r}: must be global, delayed or eager")
-        if self.start_point == "eager" or self.merge == "ahead":
-            what = "start_point=eager" if self.start_point == "eager" else "merge=ahead"
-            if self.outer is None:
-                raise ValueError(f"{what} needs the run's outer step (SyncOptions.outer)")
-            check_eager_outer(self.outer, what)
-            if not 0 <= self.eager_weight <= 1:
-                raise ValueError(f"eager_weight={self.eager_weight}: must be in [0, 1]")
-        if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
-            raise ValueError(f"streams={self.streams!r}: must be an integer >= 1")
+    # The settings this site goes by where the coordinator owns none (a library coordinator);
+    # None: the defaults (RunSettings.defaults). Where the coordinator hands out the run's,
+    # those replace these, all but ``sync.streams``, which stays the site's own.
+    own: RunSettings | None = None
+    # Keys of ``own`` (dotted; a section's name takes all of it) that this site's configuration
+    # set explicitly: stated at Join, refused by a coordinator whose run has other values.
+    stated: tuple[str, ...] = ()
+    chunk_bytes: int = MAX_CHUNK_BYTES
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    @property
+    def settings(self) -> RunSettings:
+        return self.own if self.own is not None else RunSettings.defaults()
+
+    @staticmethod
+    def of(
+        *,
+        codec: CodecConfig | str | None = None,
+        error_feedback: bool = True,
+        error_feedback_decay: float | None = None,
+        outer: OuterConfig | None = None,
+        chunk_bytes: int = MAX_CHUNK_BYTES,
+        timeouts: Timeouts | None = None,
+        **sync: Any,
+    ) -> SyncOptions:
+        """Options for a library coordinator (which owns no settings): the site's own settings
+        are the defaults with these (``sync``: SyncConfig's fields); nothing is stated."""
+        base = RunSettings.defaults()
+        c = codec_config(codec) if codec is not None else base.codec
+        decay = float(best_settings(c.name)["error_feedback_decay"]) if error_feedback_decay is None else float(error_feedback_decay)  # type: ignore[arg-type]
+        own = dataclasses.replace(
+            base, sync=SyncConfig(**sync), codec=c, codec_down=c, error_feedback=error_feedback, error_feedback_decay=decay,
+            outer=section_of(outer) if outer is not None else base.outer,
+        )  # fmt: skip
+        return SyncOptions(own=own, chunk_bytes=chunk_bytes, timeouts=timeouts or Timeouts())
 
 
 @dataclass
@@ -124,22 +132,18 @@ class OuterSync:
         on_diverged: Callable[[], None] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        self.model = model
-        self.on_diverged = on_diverged
         self.client = client
         self.site_id = site_id
-        self.options = opts = options or SyncOptions()
-        self.codec = codec_config(opts.codec).build()
-        # Uplink error feedback: what the codec dropped this round is added to the next Δ.
-        decay = opts.error_feedback_decay if opts.error_feedback_decay is not None else float(best_settings(self.codec.name)["error_feedback_decay"])  # type: ignore[arg-type]
-        self.feedback = ErrorFeedback(decay) if opts.error_feedback and not is_lossless(self.codec.name) else None
+        self.options = options or SyncOptions()
+        self.on_diverged = on_diverged
         self.before_push = before_push  # a hook called with the round before each push (fault injection)
         self._log = log or (lambda _msg: None)
         # The model as laid out over the site's ranks; a plain module is a one-rank site.
         self.layout = model if isinstance(model, ParallelModel) else ParallelModel(model)
+        self.model = model  # the caller's module (or its layout)
+        self.local = LocalModel(self.layout)  # this rank's parameters, as the sync reads and writes them
         self._specs = self.layout.specs
-        held = self.layout.held()
-        self._boxes = {n: h.box for n, h in held.items()}  # the slices this rank syncs
+        self._boxes = {n: h.box for n, h in self.layout.held().items()}  # the slices this rank syncs
         whole = self.layout.world == 1 and all(b.is_whole(self._specs[n].shape) for n, b in self._boxes.items())
         self._want = None if whole else dict(self._boxes)  # pulls: everything, or only these slices
         self.global_params: dict[str, torch.Tensor] = {}  # this rank's slices of the global θ
@@ -147,15 +151,18 @@ class OuterSync:
         self.total_rounds = 0
         self.stats = SyncStats()
         self._heartbeat: Heartbeat | None = None
-        # The model may train on a GPU; θ, Δ and the wire stay on the host (see host_copy).
-        self._host = HostMirror()
-        self._on_device = HostMirror.on_device({n: h.tensor for n, h in held.items()})
         self.eval_every = 0  # evaluation by sites: the coordinator's JoinInfo.eval_every
         self._eval: SiteEval | None = None  # an evaluation to report with the next push (or leave)
         self.uploaded_init = False  # this site sent θ₀ (init=site)
-        self.split = split_fragments({n: s.shape for n, s in self._specs.items()}, opts.fragments, opts.fragment_split)
-        self._start: dict[str, torch.Tensor] | None = None  # the inner phase's start point (start_point delayed/eager)
-        self._lookahead: EagerStart | None = None  # eager: the outer step in flight, looked ahead
+        # Set at the first join, from the run's settings (``_configure``).
+        self.settings: RunSettings = self.options.settings
+        self.split: tuple[tuple[str, ...], ...] = ()
+        self.codec = self.settings.codec.build()
+        self.feedback: ErrorFeedback | None = None
+        self._lookahead: EagerStart | None = None  # the outer step in flight, looked ahead (eager, merge=ahead)
+        self._merge: Mix | Delta = Mix(0.0)
+        self._start: FromGlobal | Delayed = FromGlobal()
+        self._configured = False
 
     @property
     def residual(self) -> dict[str, torch.Tensor] | None:
@@ -172,39 +179,65 @@ class OuterSync:
 
     # ---- joining -------------------------------------------------------------------------
     def join(self) -> JoinInfo:
-        """Registers with the coordinator (every rank of the site, under the site's id), loads
-        the global θ (this rank's slices) into the model and starts heartbeats (three per
-        lease, from the site's leader rank). If the coordinator has no θ₀ yet (init=site) and
-        chose this site as its source, the site first uploads its own parameters."""
+        """Registers with the coordinator (every rank of the site, under the site's id), takes
+        the run's settings, loads the global θ (this rank's slices) into the model and starts
+        heartbeats (three per lease, from the site's leader rank). If the coordinator has no θ₀
+        yet (init=site) and chose this site as its source, the site first uploads its own
+        parameters."""
         info = self._join()
-        self.total_rounds = info.total_rounds
-        self.eval_every = info.eval_every
         if info.upload_init:
             self._upload_init()
+        self.total_rounds = info.total_rounds
+        self.eval_every = info.eval_every
+        self._configure(info)
         self._retrying(self._pull_global, "pull of θ")  # a fresh run's first pull waits for every site
         if self._heartbeat is None and info.lease_s > 0 and self.layout.leader:
             self._heartbeat = Heartbeat(self.client, self.site_id, info.lease_s / 3, self._log)
         return info
 
     def _join(self) -> JoinInfo:
-        """Join, saying what must agree with the coordinator; while another site is sending θ₀
-        (init=site) the coordinator answers unavailable, and the site asks again with backoff,
-        for as long as it would wait for a round (a large θ₀ takes a while to upload)."""
+        """Join, stating what this site's configuration set explicitly; while another site is
+        sending θ₀ (init=site) the coordinator answers unavailable, and the site asks again with
+        backoff, for as long as it would wait for a round (a large θ₀ takes a while to upload)."""
         t = self.options.timeouts
-        can_upload = self.layout.world == 1  # θ₀ is sent whole, by a one-rank site
+        stated = self.options.settings.stated(self.options.stated) if self.options.stated else {}
+        request = JoinRequest(self.site_id, tuple(self._specs.values()), can_upload=self.layout.world == 1, stated=stated)
+        return retrying(
+            lambda: self.client.join(request), limit_s=max(t.reconnect_timeout_s, t.round_timeout_s), what=f"site {self.site_id} join", log=self._log
+        )
 
-        def join() -> JoinInfo:
-            return self.client.join(
-                self.site_id, self._specs.values(), can_upload=can_upload, sync_every=self.options.sync_every, codec=self.codec.name, fragments=self.options.fragments,
-                fragment_split=self.options.fragment_split if self.options.fragments > 1 else "",
-            )  # fmt: skip
-
-        return retrying(join, limit_s=max(t.reconnect_timeout_s, t.round_timeout_s), what=f"site {self.site_id} join", log=self._log)
+    def _configure(self, info: JoinInfo) -> None:
+        """The run's settings from the coordinator's answer (the site's own where it owns none,
+        and the site's own ``sync.streams`` always), and what follows from them: the codec, the
+        error feedback, the split, the merge and where phases start. Once: a site joining again
+        keeps its residual and look-ahead, and the run's settings cannot have changed."""
+        own = self.options.settings
+        settings = own
+        if info.settings is not None:
+            run = RunSettings.from_dict(info.settings)
+            settings = dataclasses.replace(run, sync=dataclasses.replace(run.sync, streams=own.sync.streams))
+        if self._configured:
+            if settings != self.settings:
+                raise RuntimeError(f"site {self.site_id}: the run's settings changed between two joins (a coordinator of another run?)")
+            return
+        self.settings = s = settings
+        self.codec = s.codec.build()
+        self.feedback = ErrorFeedback(s.error_feedback_decay) if s.error_feedback and not is_lossless(self.codec.name) else None
+        # The coordinator's split; before θ₀ exists (this site sends it) the same function of
+        # the parameters this site sends, as the coordinator computes it from them.
+        self.split = info.fragments or split_fragments({n: sp.shape for n, sp in self._specs.items()}, s.sync.fragments, s.sync.split)
+        if len(self.split) != s.sync.fragments:
+            raise RuntimeError(f"site {self.site_id}: the coordinator's split has {len(self.split)} fragments, the run {s.sync.fragments}")
+        if s.sync.looks_ahead:
+            f = s.sync.fragments
+            self._lookahead = EagerStart(s.outer_step, -(-info.total_rounds // f), s.sync.own_weight, fragments=f)
+        self._merge = merge_for(s.sync.merge, float(s.sync.local_weight or 0.0), self._lookahead)
+        self._start = phase_start(s.sync.mode, self._lookahead)
+        self._configured = True
 
     def _upload_init(self) -> None:
         """Sends this site's parameters as θ₀ (float32, lossless, the framing of a push)."""
-        params = self._host.host({n: h.tensor for n, h in self.layout.held().items()})
-        chunks = encode_chunks(params, codec=get_codec("fp32"), chunk_bytes=self.options.chunk_bytes)
+        chunks = encode_chunks(self.local.values(), codec=get_codec("fp32"), chunk_bytes=self.options.chunk_bytes)
         header = PushHeader(site_id=self.site_id, round=0, tokens=1, train_loss=math.nan, inner_steps=0)
         result = self.client.upload_init(header, chunks)
         self.stats.bytes_up += result.payload_bytes
@@ -231,98 +264,62 @@ class OuterSync:
             return ChunkAssembler(self._specs if names is None else {n: self._specs[n] for n in names})
         return SliceAssembler(self._specs, self._want if names is None else self._round_want(names))
 
-    def _round_want(self, names: tuple[str, ...]) -> dict:
+    def _round_want(self, names: tuple[str, ...]) -> dict[str, Box]:
         assert self._want is not None
         return {n: b for n, b in self._want.items() if n in names}
 
     def names_of(self, round: int) -> tuple[str, ...]:
         """The parameters round ``round`` syncs: all of them, or its fragment's."""
-        return self.split[fragment_of_round(round, self.options.fragments)]
+        return self.split[fragment_of_round(round, self.settings.sync.fragments)]
 
     def _pull_global(self) -> None:
         """θ whole (this rank's slices); a site that looks ahead of the outer step pulls the
         coordinator's momentum of the same round with it (none before the first outer step)."""
-        momentum: list = []
-        if self._looks_ahead:
+        momentum: list[Chunk] = []
+        if self._lookahead is not None:
             status, chunks, momentum = self.client.pull_global_with_state(self.site_id, self._want)
         else:
             status, chunks = self.client.pull_global(self.site_id, self._want)
         assembler = assemble(chunks, self._assembler())
-        self.global_params = HostMirror.keep(assembler.finish(), self._on_device)
+        self.global_params = HostMirror.keep(assembler.finish(), self.local.on_device)
         self.stats.bytes_down += assembler.payload_bytes
         if momentum:
+            assert self._lookahead is not None
             buffers = assemble(momentum, self._assembler())
-            self._eager().follow(buffers.finish())
+            self._lookahead.follow(buffers.finish())
             self.stats.bytes_down += buffers.payload_bytes
             self._log(f"site {self.site_id}: looks ahead from the coordinator's outer momentum after round {status.committed_rounds - 1} (pulled with θ)")
         self.round = status.committed_rounds
-        self._load_global_into_model()
-        self._start = self._host_copy_of_model() if self.options.start_point != "global" else None
+        self._load_global()
         if self.round > 0 and self._want is None:
             self.stats.round_hashes[self.round - 1] = params_sha256(self.global_params)
 
-    def _load_global_into_model(self, names: tuple[str, ...] | None = None, alpha: float = 0.0, at_push: dict[str, torch.Tensor] | None = None) -> None:
-        """The model's parameters (``names``: only those) ← θ; with ``alpha`` > 0 the merge
-        α·local + (1−α)·θ (streaming DiLoCo's); with ``at_push`` (merge=delta) θ + (local −
-        at_push): the steps trained since the push, on top of θ. The site's θ stays exact."""
-        held = {n: h.tensor for n, h in self.layout.held().items() if names is None or n in names}
-        values = {n: self.global_params[n] for n in held}
-        if at_push is not None:
-            local = self._host.host(held)
-            values = {n: values[n] + (local[n].float() - at_push[n]) for n in held}
-        elif alpha > 0:
-            local = self._host.host(held)
-            values = {n: torch.lerp(values[n], local[n].float(), alpha) for n in held}
-        HostMirror.load(held, values)
-        self.layout.after_pull()
-
-    def _host_copy_of_model(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach().clone() for n, t in self._host.host({n: h.tensor for n, h in self.layout.held().items()}).items()}
+    def _load_global(self) -> None:
+        """The model ← θ whole; a phase that starts from its own point starts here."""
+        self.local.load(self.global_params)
+        self._start.after_load(self.local)
 
     def restart_phase(self, pending: PendingRound) -> None:
-        """start_point delayed/eager, right after pushing ``pending`` without waiting for it: the
-        next inner phase starts from θ as known now (delayed), or from θ moved by the outer step
-        still in flight, looked ahead with the site's own Δ standing in for (a share of) the
-        mean (eager: diloco.outer.eager). After a diverged round (no Δ) it starts from θ."""
-        mode = self.options.start_point
-        assert mode in ("delayed", "eager") and (mode == "delayed" or pending.delta is not None or pending.diverged)
-        start = {n: t.clone() for n, t in self.global_params.items()}
-        if mode == "eager" and pending.delta is not None:
-            for n, o in self._eager().offset(pending.header.round, pending.delta).items():
-                start[n].add_(o)
-        held = {n: h.tensor for n, h in self.layout.held().items()}
-        HostMirror.load(held, start)
-        self.layout.after_pull()
-        self._start = start
+        """sync.mode delayed/eager, right after pushing ``pending`` without waiting for it: the
+        next inner phase starts from its start point (phase_start.py). After a diverged round
+        (no Δ) it starts from θ."""
+        self._start.restart(self.global_params, pending.header.round, pending.delta, self.local)
         if pending.diverged:
             self._restart_from_global(pending.header.round)
-
-    @property
-    def _looks_ahead(self) -> bool:
-        return self.options.start_point == "eager" or self.options.merge == "ahead"
-
-    def _eager(self) -> EagerStart:
-        if self._lookahead is None:
-            assert self.options.outer is not None
-            f = self.options.fragments
-            self._lookahead = EagerStart(self.options.outer, -(-self.total_rounds // f), self.options.eager_weight, fragments=f)
-        return self._lookahead
 
     @contextlib.contextmanager
     def holding_global(self) -> Iterator[None]:
         """The model holds θ inside the block (to evaluate it) and its own values again after."""
-        held = {n: h.tensor for n, h in self.layout.held().items()}
-        saved = self._host_copy_of_model()
-        HostMirror.load(held, self.global_params)
+        saved = self.local.copy()
+        self.local.load(self.global_params)
         try:
             yield
         finally:
-            HostMirror.load(held, saved)
+            self.local.load(saved)
 
     def load_global(self) -> None:
         """The model ← θ whole (the end of a run whose last phase started elsewhere)."""
-        self._load_global_into_model()
-        self._start = self._host_copy_of_model() if self.options.start_point != "global" else None
+        self._load_global()
 
     # ---- a round -------------------------------------------------------------------------
     def sync(self, *, tokens: int, train_loss: float, inner_steps: int) -> str:
@@ -344,18 +341,16 @@ class OuterSync:
         t0 = time.perf_counter()
         names = self.names_of(r)
         pushed = {n: h for n, h in self.layout.held().items() if h.push and n in names}
-        local = self._host.host({n: h.tensor for n, h in pushed.items()})
-        reference = self.global_params if self._start is None else self._start
+        local = self.local.values(pushed)
+        reference = self._start.reference(self.global_params)
         delta = pseudo_gradient({n: reference[n] for n in pushed}, local)
         bad = nonfinite_count(delta)
         if self.layout.agree(1 if bad else 0):  # every rank of the site withholds, or none
             return self._withheld(r, names, bad, tokens, inner_steps, t0)
         if not math.isfinite(train_loss):
             train_loss = math.nan  # not reported (an infinite loss would make the header invalid)
-        own = {n: d.clone() for n, d in delta.items()} if self.options.start_point == "eager" else None
-        at_push = None
-        if self.options.merge in ("delta", "ahead"):  # the fragment's local values now, to re-apply the steps trained until the merge
-            at_push = self._at_push(r, names, reference)
+        own = {n: d.clone() for n, d in delta.items()} if self._start.keeps_own_delta else None
+        at_push = self._merge.at_push(self.local, r, names, reference)  # what the merge re-applies after the round lands
         if self.feedback is not None:
             delta = self.feedback.compensate(delta)
         t1 = time.perf_counter()
@@ -376,21 +371,6 @@ class OuterSync:
         times = {"round": r, "delta_s": t1 - t0, "encode_s": time.perf_counter() - t1, "push_s": 0.0, "wait_s": 0.0, "pull_s": 0.0}
         return PendingRound(header, chunks, residual, times, names=names, delta=own, parts=parts, at_push=at_push)
 
-    def _at_push(self, r: int, names: tuple[str, ...], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The fragment's local values as the overlapped steps start from them: as they are
-        (merge=delta), or moved by the look-ahead of round ``r``'s outer step (merge=ahead; every
-        rank holding a slice computes the same offset from the same values, so replicas agree)."""
-        held = {n: h.tensor for n, h in self.layout.held().items() if n in names}
-        local = {n: t.detach().float().clone() for n, t in self._host.host(held).items()}
-        if self.options.merge == "ahead":
-            own = pseudo_gradient({n: reference[n] for n in held}, local)
-            for n, o in self._eager().offset(r, own).items():
-                local[n].add_(o)
-            HostMirror.load(held, local)
-            self.layout.after_pull()
-            local = {n: t.detach().float().clone() for n, t in self._host.host(held).items()}  # as the model holds them (a bf16 model rounds)
-        return local
-
     def _withheld(self, r: int, names: tuple[str, ...], bad: int, tokens: int, inner_steps: int, t0: float) -> PendingRound:
         """The push of a round whose Δ is not finite: a header saying so, no chunks. Every rank
         sends the same one-part header (the coordinator counts the first, the rest are
@@ -408,29 +388,33 @@ class OuterSync:
         if self.on_diverged is not None:
             self.on_diverged()
 
+    @property
+    def _streams(self) -> int:
+        return self.settings.sync.streams
+
     def _encode_parts(self, header: PushHeader, delta: dict[str, torch.Tensor], held: dict[str, Box]) -> list[tuple[PushHeader, list[Chunk]]]:
         """The push as one part per stream: Δ's slices striped over ``streams`` parts (numbered
         after the site's ranks' own: rank × k + i of world × k), each encoded on its own."""
-        k = self.options.streams
+        k, chunk_bytes = self._streams, self.options.chunk_bytes
         shapes = {n: self._specs[n].shape for n in held}
         if k == 1:
             boxes = {n: (held[n], shapes[n]) for n in held}
-            return [(header, list(encode_chunks(delta, codec=self.codec, chunk_bytes=self.options.chunk_bytes, boxes=boxes)))]
+            return [(header, list(encode_chunks(delta, codec=self.codec, chunk_bytes=chunk_bytes, boxes=boxes)))]
         parts = []
         for i, stripe in enumerate(stripe_boxes(held, shapes, k, split_rows=self.layout.world == 1)):
             values = {n: box_values(delta[n], held[n], b) for n, b in stripe.items()}
-            chunks = list(encode_chunks(values, codec=self.codec, chunk_bytes=self.options.chunk_bytes, boxes={n: (b, shapes[n]) for n, b in stripe.items()}))
+            chunks = list(encode_chunks(values, codec=self.codec, chunk_bytes=chunk_bytes, boxes={n: (b, shapes[n]) for n, b in stripe.items()}))
             part = dataclasses.replace(header, part=header.part * k + i, parts=header.parts * k, eval=header.eval if i == 0 else None)
             parts.append((part, chunks))
         return parts
 
     def _pull_plan(self, names: tuple[str, ...]) -> tuple[list[dict[str, Box] | None], Callable[[], Any]]:
         """What each pull stream asks for, and the assembler they fill."""
-        if self.options.streams == 1:
+        if self._streams == 1:
             want = None if self._want is None else self._round_want(names)
             return [want], lambda: self._assembler(names)
         held = {n: Box.whole(self._specs[n].shape) for n in names} if self._want is None else self._round_want(names)
-        stripes = [s for s in stripe_boxes(held, {n: self._specs[n].shape for n in held}, self.options.streams, split_rows=self._want is None) if s]
+        stripes = [s for s in stripe_boxes(held, {n: self._specs[n].shape for n in held}, self._streams, split_rows=self._want is None) if s]
         return list(stripes), lambda: StripedPull(self._specs, stripes, held)
 
     def exchange(self, pending: PendingRound, on_committed: Callable[[], None] | None = None) -> PendingRound:
@@ -466,23 +450,23 @@ class OuterSync:
             self.feedback.carry(pending.residual)  # only a push that counted moves the residual on
         if not outcome.applied:
             digest = self._catch_up(r, outcome)  # θ whole into the model
-            if pending.diverged and self._start is None:
+            if pending.diverged and not self._start.overlaps_phase:
                 self._restart_from_global(r)
             return digest
         assert pending.update is not None
         t3 = time.perf_counter()
         update = pending.update.finish()
         apply_update(self.global_params, update)
-        if self._looks_ahead:
-            self._eager().observe(r, update)
+        if self._lookahead is not None:
+            self._lookahead.observe(r, update)
         self.stats.bytes_down += pending.update.payload_bytes
         pending.times["bytes_down"] = pending.update.payload_bytes
-        if self._start is None and pending.diverged:  # the whole model from θ, nothing of the local values kept
-            self._load_global_into_model()
+        if pending.diverged and not self._start.overlaps_phase:  # the whole model from θ, nothing of the local values kept
+            self.local.load(self.global_params)
             self._restart_from_global(r)
-        elif self._start is None:  # else the model is mid-phase from its own start point (restart_phase)
-            whole = self.options.fragments == 1
-            self._load_global_into_model(None if whole else pending.names, self.options.alpha, pending.at_push)
+        elif not self._start.overlaps_phase:  # else the model is mid-phase from its own start point (restart_phase)
+            whole = self.settings.sync.fragments == 1
+            self._merge.land(self.local, self.global_params, None if whole else pending.names, pending.at_push)
         pending.times["apply_s"] = time.perf_counter() - t3  # decoding happened as the chunks arrived (pull_s)
         self.stats.timings.append(pending.times)
         self.round = r + 1
@@ -494,8 +478,8 @@ class OuterSync:
     def _catch_up(self, r: int, outcome: RoundOutcome) -> str:
         """Loads θ whole (this rank's slices of it), the site's leader joining again first when
         the coordinator asked for it."""
-        if self._looks_ahead:
-            self._eager().missed(r, self.names_of(r))
+        if self._lookahead is not None:
+            self._lookahead.missed(r, self.names_of(r))
         if outcome.merged:
             self.stats.merged_rounds.append(r)
         if outcome.dropped:
@@ -505,7 +489,7 @@ class OuterSync:
         if outcome.rejoin:
             self.stats.rejoins += 1
             if self.layout.leader:
-                self._retrying(self._join, "join")
+                self._retrying(lambda: self._configure(self._join()), "join")
             self.layout.barrier()
         self._retrying(self._pull_global, "pull of θ")
         return params_sha256(self.global_params)

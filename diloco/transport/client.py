@@ -14,7 +14,7 @@ from diloco.transport.limits import MAX_MESSAGE_BYTES
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.security import client_side
-from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
+from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval
 
 # gRPC's status codes as the project's refusal kinds (diloco.errors). A call that could not
 # reach the coordinator, or timed out, or was cancelled under it, is "unavailable": retried.
@@ -102,22 +102,10 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def join(
-        self,
-        site_id: str,
-        specs: Iterable[TensorSpec],
-        *,
-        can_upload: bool = False,
-        sync_every: int = 0,
-        codec: str = "",
-        fragments: int = 0,
-        fragment_split: str = "",
-    ) -> JoinInfo:
-        """Joins the run; ``sync_every`` and ``codec`` (when given) must match the coordinator's,
-        ``can_upload``: this site can send θ₀ if the coordinator has none yet (init=site)."""
-        req = serde.join_request_to_proto(
-            JoinRequest(site_id, tuple(specs), can_upload=can_upload, sync_every=sync_every, codec=codec, fragments=fragments, fragment_split=fragment_split)
-        )
+    def join(self, request: JoinRequest) -> JoinInfo:
+        """Joins the run: the coordinator checks what the site states and answers with the run's
+        settings (diloco.sync.settings)."""
+        req = serde.join_request_to_proto(request)
         try:
             # wait_for_ready: a site started before its coordinator waits instead of failing.
             reply = self._stub.Join(req, timeout=self.connect_timeout_s, wait_for_ready=True, metadata=self._md)

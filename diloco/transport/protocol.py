@@ -9,21 +9,11 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from diloco.boxes import Box
-from diloco.types import Chunk, JoinInfo, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
+from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval
 
 
 class CoordinatorService(Protocol):
-    def join(
-        self,
-        site_id: str,
-        specs: Iterable[TensorSpec],
-        *,
-        can_upload: bool = False,
-        sync_every: int = 0,
-        codec: str = "",
-        fragments: int = 0,
-        fragment_split: str = "",
-    ) -> JoinInfo: ...
+    def join(self, request: JoinRequest) -> JoinInfo: ...
 
     def push(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult: ...
 

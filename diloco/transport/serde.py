@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from diloco.boxes import Box
+from diloco.sync import parse_stated
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
@@ -215,22 +217,18 @@ def join_request_to_proto(j: JoinRequest) -> pb.JoinRequest:
         site_id=j.site_id,
         params=[spec_to_proto(s) for s in j.specs],
         can_upload=j.can_upload,
-        sync_every=j.sync_every,
-        codec=j.codec,
-        fragments=j.fragments,
-        fragment_split=j.fragment_split,
+        stated=json.dumps(dict(j.stated), sort_keys=True) if j.stated else "",
     )
 
 
 def join_request_from_proto(m: pb.JoinRequest) -> JoinRequest:
+    """ValueError (the caller refuses the call as invalid_argument) for stated settings that
+    are not a JSON object of dotted keys, or too long."""
     return JoinRequest(
         site_id=m.site_id,
         specs=tuple(spec_from_proto(s) for s in m.params),
         can_upload=m.can_upload,
-        sync_every=m.sync_every,
-        codec=m.codec,
-        fragments=m.fragments,
-        fragment_split=m.fragment_split,
+        stated=parse_stated(m.stated),
     )
 
 
@@ -268,11 +266,27 @@ def push_result_from_proto(m: pb.PushReply) -> PushResult:
 
 
 def join_info_to_proto(j: JoinInfo) -> pb.JoinReply:
-    return pb.JoinReply(total_rounds=j.total_rounds, run_id=j.run_id, lease_s=j.lease_s, upload_init=j.upload_init, eval_every=j.eval_every)
+    return pb.JoinReply(
+        total_rounds=j.total_rounds,
+        run_id=j.run_id,
+        lease_s=j.lease_s,
+        upload_init=j.upload_init,
+        eval_every=j.eval_every,
+        settings=json.dumps(dict(j.settings), sort_keys=True) if j.settings is not None else "",
+        fragments=[pb.Fragment(names=list(f)) for f in j.fragments],
+    )
 
 
 def join_info_from_proto(m: pb.JoinReply) -> JoinInfo:
-    return JoinInfo(total_rounds=m.total_rounds, run_id=m.run_id, lease_s=m.lease_s, upload_init=m.upload_init, eval_every=m.eval_every)
+    return JoinInfo(
+        total_rounds=m.total_rounds,
+        run_id=m.run_id,
+        lease_s=m.lease_s,
+        upload_init=m.upload_init,
+        eval_every=m.eval_every,
+        settings=json.loads(m.settings) if m.settings else None,
+        fragments=tuple(tuple(f.names) for f in m.fragments),
+    )
 
 
 def status_to_proto(s: RoundStatus) -> pb.RoundStatus:

@@ -73,10 +73,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         with self._as(context, request.site_id):
             try:
-                j = serde.join_request_from_proto(request)
-                info = self._c.join(
-                    j.site_id, j.specs, can_upload=j.can_upload, sync_every=j.sync_every, codec=j.codec, fragments=j.fragments, fragment_split=j.fragment_split
-                )
+                try:
+                    j = serde.join_request_from_proto(request)
+                except ValueError as e:
+                    raise CoordinatorError("invalid_argument", str(e)) from None
+                info = self._c.join(j)
             except CoordinatorError as e:
                 _abort(context, e)
         return serde.join_info_to_proto(info)

@@ -27,8 +27,9 @@ from diloco.coordinator.round_policy import QuorumConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
 from diloco.sim.sections import check_before_start
+from diloco.sync import SyncConfig
 from diloco.transport import CoordinatorClient, RemoteError, serve
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -58,7 +59,7 @@ def test_init_site_standalone_coordinator_with_two_user_loops(tmp_path: Path) ->
     procs: list[subprocess.Popen] = []
     logs = ["coord.log", "a.log", "b.log"]
     try:
-        coord_args = ["init=site", "sites=2", "rounds=3", "sync_every=5", "coordinator.port=0", f"coordinator.port_file={port_file}"]
+        coord_args = ["init=site", "sites=2", "rounds=3", "sync.every=5", "coordinator.port=0", f"coordinator.port_file={port_file}"]
         procs.append(_popen([str(BIN / "diloco-coordinator"), *coord_args, f"hydra.run.dir={tmp_path / 'coord'}"], tmp_path / "coord.log"))
         deadline = time.monotonic() + 60
         while not port_file.exists():
@@ -124,25 +125,25 @@ def test_a_refused_source_leaves_the_role_to_the_next_site_and_theta_unset() -> 
     coord = _coordinator()
     good = _params(0)
     specs = list(fingerprint(good).values())
-    assert coord.join("a", specs, can_upload=True).upload_init
+    assert coord.join(JoinRequest("a", tuple(specs), can_upload=True)).upload_init
     bad = dict(good)
     bad["norm.weight"] = torch.full_like(good["norm.weight"], float("nan"))
     with pytest.raises(CoordinatorError, match=r"θ₀ from site 'a' refused: non-finite values in 'norm.weight'"):
         _upload(coord, "a", bad)
     assert not coord.ready and coord.global_sha256() == ""
-    assert coord.join("b", specs, can_upload=True).upload_init  # the next site takes the role
+    assert coord.join(JoinRequest("b", tuple(specs), can_upload=True)).upload_init  # the next site takes the role
     with pytest.raises(CoordinatorError, match="lossless"):
         _upload(coord, "b", good, codec="int8")
-    assert coord.join("b", specs, can_upload=True).upload_init
+    assert coord.join(JoinRequest("b", tuple(specs), can_upload=True)).upload_init
     _upload(coord, "b", good)
     assert coord.ready and coord.global_sha256() == params_sha256(good) and coord.init_from == "site 'b'"
-    info = coord.join("c", specs, can_upload=True)  # later sites pull θ₀
+    info = coord.join(JoinRequest("c", tuple(specs), can_upload=True))  # later sites pull θ₀
     assert not info.upload_init
     with pytest.raises(CoordinatorError, match="θ₀ is already set"):
         _upload(coord, "b", _params(1))
     assert coord.global_sha256() == params_sha256(good)
     with pytest.raises(CoordinatorError, match=r"does not match the coordinator's \(θ₀ from site 'b'\)"):
-        coord.join("d", list(fingerprint(_params(0) | {"extra": torch.zeros(3)}).values()))
+        coord.join(JoinRequest("d", tuple(list(fingerprint(_params(0) | {"extra": torch.zeros(3)}).values()))))
 
 
 @pytest.mark.timeout(60)
@@ -154,7 +155,7 @@ def test_two_sites_joining_at_once_elect_one_source_and_the_other_waits() -> Non
 
     def join(site: str) -> None:
         barrier.wait()
-        infos[site] = coord.join(site, specs, can_upload=True)
+        infos[site] = coord.join(JoinRequest(site, tuple(specs), can_upload=True))
 
     threads = [threading.Thread(target=join, args=(s,)) for s in ("a", "b")]
     for t in threads:
@@ -180,12 +181,12 @@ def test_restarted_coordinator_never_asks_for_theta0_again(tmp_path: Path) -> No
     coord = _coordinator(tmp_path)
     good = _params(3)
     specs = list(fingerprint(good).values())
-    coord.join("a", specs, can_upload=True)
+    coord.join(JoinRequest("a", tuple(specs), can_upload=True))
     _upload(coord, "a", good)
     restarted = _coordinator(tmp_path)
     restarted.restore(load_latest(tmp_path / "ckpt").state)  # type: ignore[union-attr]
     assert restarted.ready and restarted.global_sha256() == params_sha256(good) and restarted.init_from == "site 'a'"
-    assert not restarted.join("b", specs, can_upload=True).upload_init
+    assert not restarted.join(JoinRequest("b", tuple(specs), can_upload=True)).upload_init
 
 
 @pytest.mark.timeout(60)
@@ -236,8 +237,8 @@ def test_bad_init_files_are_named(tmp_path: Path) -> None:
     try:
         with CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10) as client:
             with pytest.raises(RemoteError, match=r"invalid_argument: .*θ₀ from init.path=.*other.safetensors.*'norm.weight'"):
-                client.join("0", fingerprint(_params(0)).values())
-            assert client.join("1", fingerprint(other).values()).total_rounds == 1  # the coordinator serves on
+                client.join(JoinRequest("0", tuple(fingerprint(_params(0)).values())))
+            assert client.join(JoinRequest("1", tuple(fingerprint(other).values()))).total_rounds == 1  # the coordinator serves on
     finally:
         server.stop(grace=None).wait(5)
     assert coord.global_sha256() == params_sha256(other)
@@ -246,15 +247,17 @@ def test_bad_init_files_are_named(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_site_with_another_h_or_codec_is_refused_at_join() -> None:
     params = _params(0)
-    coord = Coordinator(params, OuterConfig(), CoordinatorConfig(total_rounds=1, sync_every=50, codec_up="int8"))
-    specs = list(fingerprint(params).values())
-    with pytest.raises(CoordinatorError, match=r"site 'a' has sync_every=10, this run has sync_every=50"):
-        coord.join("a", specs, sync_every=10, codec="int8")
-    with pytest.raises(CoordinatorError, match=r"site 'a' pushes with codec='fp32', this run's codec is int8"):
-        coord.join("a", specs, sync_every=50, codec="fp32")
+    settings = RunConfig(rounds=1, sync=SyncConfig(every=50), codec="int8").settings
+    coord = Coordinator(params, OuterConfig(), CoordinatorConfig.of_run(settings))
+    specs = tuple(fingerprint(params).values())
+    with pytest.raises(CoordinatorError, match=r"site 'a' states settings other than this run's: sync.every=10 \(the run's: 50\)"):
+        coord.join(JoinRequest("a", specs, stated={"sync.every": 10, "codec.name": "int8"}))
+    with pytest.raises(CoordinatorError, match=r'codec.name="fp32" \(the run\'s: "int8"\)'):
+        coord.join(JoinRequest("a", specs, stated=settings.stated(("sync.every",)) | {"codec.name": "fp32"}))
     assert coord.active_sites == frozenset()
-    coord.join("a", specs, sync_every=50, codec="int8")
+    info = coord.join(JoinRequest("a", specs, stated=settings.stated(("sync", "codec"))))
     assert coord.active_sites == {"a"} and coord.global_sha256() == params_sha256(params)
+    assert info.settings == settings.to_dict()  # what every site then uses
 
 
 @pytest.mark.timeout(60)
@@ -274,7 +277,7 @@ def test_bad_models_and_devices_fail_before_any_process_starts() -> None:
 
 # ---- models the project does not know, through diloco-sim -------------------------------
 
-SIM = ["sites=2", "rounds=2", "sync_every=3", "data.batch_size=4", "eval_every=1", "sim.timeout_s=150"]
+SIM = ["sites=2", "rounds=2", "sync.every=3", "data.batch_size=4", "eval_every=1", "sim.timeout_s=150"]
 
 
 @pytest.mark.timeout(200)
@@ -326,7 +329,7 @@ def test_a_push_with_a_bad_evaluation_is_refused_and_changes_nothing() -> None:
 
     params = _params(0)
     coord = Coordinator(params, OuterConfig(), CoordinatorConfig(total_rounds=2, min_sites=1, site_eval_every=1))
-    coord.join("a", list(fingerprint(params).values()))
+    coord.join(JoinRequest("a", tuple(list(fingerprint(params).values()))))
     delta = {n: torch.full_like(p, 1e-3) for n, p in params.items()}
     for bad, why in (
         (SiteEval(round=0, loss=1.0, tokens=10), r"eval_round=0; committed rounds are 0..-1"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-COMMON = ["sites=2", "rounds=2", "sync_every=2", "data.batch_size=4", "eval_every=1"]
+COMMON = ["sites=2", "rounds=2", "sync.every=2", "data.batch_size=4", "eval_every=1"]
 
 
 def _popen(args: list[str], log: Path) -> subprocess.Popen:

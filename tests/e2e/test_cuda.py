@@ -116,7 +116,7 @@ def test_outer_sync_round_trips_a_gpu_model() -> None:
         trainer = InnerTrainer(model, InnerConfig(lr=3e-3, warmup_steps=0, bf16=True), total_steps=rounds * steps)
         x, y = _counting_batch(8, MODEL.context, seed=3)
         with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=60) as client:
-            sync = OuterSync(model, client, "0", SyncOptions(timeouts=Timeouts(wait_poll_s=5.0, round_timeout_s=60.0)))
+            sync = OuterSync(model, client, "0", SyncOptions.of(timeouts=Timeouts(wait_poll_s=5.0, round_timeout_s=60.0)))
             try:
                 sync.join()
                 _assert_model_holds(model, coord.global_params())
@@ -165,7 +165,7 @@ def _assert_host_copy(sync: OuterSync) -> None:
 def test_two_sites_share_one_gpu_bit_identical(tmp_path: Path) -> None:
     sites, h, rounds = 2, 10, 3
     overrides = [
-        "mode=diloco", f"sites={sites}", "model=tiny", f"sync_every={h}", f"rounds={rounds}", "data.batch_size=16",
+        "mode=diloco", f"sites={sites}", "model=tiny", f"sync.every={h}", f"rounds={rounds}", "data.batch_size=16",
         "eval_every=3", "inner.bf16=true", "sim.timeout_s=240",
     ]  # fmt: skip
     if ON_GPU:

@@ -31,7 +31,7 @@ from helpers import Run, run_ok, run_sim
 
 pytestmark = pytest.mark.timeout(300)
 
-BASE = ["sites=3", "sync_every=2", "data.batch_size=4", "eval_every=100", "sim.timeout_s=240"]
+BASE = ["sites=3", "sync.every=2", "data.batch_size=4", "eval_every=100", "sim.timeout_s=240"]
 ALL = ["0", "1", "2"]
 
 
@@ -245,8 +245,8 @@ def test_a_late_push_is_merged_into_the_open_round(straggler_merge: Run) -> None
 def test_dynamic_local_steps_cut_a_slow_sites_inner_phase(tmp_path: Path) -> None:
     # H = 8; each site stops its inner phase after 1.5 s. The slow site (a step takes 20x as
     # long) runs fewer steps and is weighted by its tokens; no round waits long for it.
-    overrides = ["sync_every=8", "rounds=3", "quorum.min_sites=3", "inner_budget_s=1.5", _events("{kind:slow_site,site:2,factor:20}")]
-    run = run_ok(tmp_path / "run", *[a for a in BASE if not a.startswith("sync_every")], *overrides, timeout=240)
+    overrides = ["sync.every=8", "rounds=3", "quorum.min_sites=3", "sync.budget_s=1.5", _events("{kind:slow_site,site:2,factor:20}")]
+    run = run_ok(tmp_path / "run", *[a for a in BASE if not a.startswith("sync.every")], *overrides, timeout=240)
     metrics = _invariants(run, 3)
     workers = run.workers()
     slow = workers["2"]["steps_per_round"]

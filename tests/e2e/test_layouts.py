@@ -27,7 +27,7 @@ from diloco.site.layouts.config import LayoutConfig
 
 pytestmark = pytest.mark.timeout(300)
 
-BASE = ["sites=1", "sync_every=3", "rounds=1", "data.batch_size=4", "eval_every=100"]  # one site: fewer processes
+BASE = ["sites=1", "sync.every=3", "rounds=1", "data.batch_size=4", "eval_every=100"]  # one site: fewer processes
 PARAMS = count_params(build_model(model_config("tiny"), 0))
 TENSORS = len(list(build_model(model_config("tiny"), 0).parameters()))
 
@@ -88,7 +88,7 @@ def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
     # quorum.min_sites=4: round 0 waits for every site (a torchrun site that starts late would miss it under the majority quorum)
     overrides = [
         "sites=4",
-        "sync_every=2",
+        "sync.every=2",
         "rounds=2",
         "data.batch_size=4",
         "eval_every=100",

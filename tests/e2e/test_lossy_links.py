@@ -13,7 +13,7 @@ from diloco.codec import get_codec, make_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, apply_update, params_sha256
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.wire.chunks import encoded_bytes
 from diloco.wire.fingerprint import fingerprint
@@ -35,7 +35,7 @@ def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bo
         OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
         CoordinatorConfig(total_rounds=rounds, codec_down=codec, error_feedback_down=error_feedback),
     )
-    coord.join("s", fingerprint(_theta()).values())
+    coord.join(JoinRequest("s", tuple(fingerprint(_theta()).values())))
     site = _theta()
     g = torch.Generator().manual_seed(6)
     proposed_sum = {n: torch.zeros_like(t) for n, t in site.items()}
@@ -74,7 +74,7 @@ def test_multi_site_run_with_a_lossy_codec_keeps_sites_bit_identical(tmp_path: P
     name, _, zstd = codec.partition("+")
     overrides = [
         "sites=2",
-        "sync_every=2",
+        "sync.every=2",
         "rounds=3",
         "data.batch_size=4",
         "eval_every=3",

@@ -9,7 +9,7 @@ from helpers import run_ok
 
 pytestmark = pytest.mark.timeout(240)
 
-ARGS = ["sites=2", "sync_every=4", "rounds=4", "sync_every_schedule=[1,2,4]", "data.batch_size=4", "eval_every=100", "sim.plots=false"]
+ARGS = ["sites=2", "sync.every=4", "rounds=4", "sync.schedule=[1,2,4]", "data.batch_size=4", "eval_every=100", "sim.plots=false"]
 
 
 def test_sites_follow_the_sync_every_schedule_in_lock_step(tmp_path_factory: pytest.TempPathFactory) -> None:

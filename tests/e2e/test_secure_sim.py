@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_a_four_site_tls_run_with_a_site_killed_for_good_finishes_with_the_default_quorum(tmp_path: Path) -> None:
     run = run_ok(
-        tmp_path / "run", "sites=4", "rounds=4", "sync_every=5", "eval_every=4", "quorum.lease_s=3",
+        tmp_path / "run", "sites=4", "rounds=4", "sync.every=5", "eval_every=4", "quorum.lease_s=3",
         "faults.events=[{kind:kill_site,site:3,at_round:1,phase:inner,restart_after_s:-1}]", timeout=240,
     )  # fmt: skip
     summary = json.loads((run.run_dir / "summary.json").read_text())
@@ -32,7 +32,7 @@ def test_a_four_site_tls_run_with_a_site_killed_for_good_finishes_with_the_defau
 
 def test_a_poisoning_site_is_refused_named_and_the_run_goes_on(tmp_path: Path) -> None:
     run = run_ok(
-        tmp_path / "run", "sites=3", "rounds=4", "sync_every=5", "eval_every=4", "robust.norm_ratio=3", "robust.min_history=2",
+        tmp_path / "run", "sites=3", "rounds=4", "sync.every=5", "eval_every=4", "robust.norm_ratio=3", "robust.min_history=2",
         "faults.events=[{kind:poison_push,site:2,factor:50,at_round:1}]", timeout=240,
     )  # fmt: skip
     summary = json.loads((run.run_dir / "summary.json").read_text())
@@ -50,7 +50,7 @@ def test_a_poisoning_site_is_refused_named_and_the_run_goes_on(tmp_path: Path) -
 def test_a_site_whose_inner_phase_diverges_withholds_that_round_and_trains_on_from_theta(tmp_path: Path) -> None:
     # int8 with error feedback: the NaN must reach neither the residual nor the next rounds.
     run = run_ok(
-        tmp_path / "run", "sites=3", "rounds=4", "sync_every=6", "eval_every=4", "codec=int8",
+        tmp_path / "run", "sites=3", "rounds=4", "sync.every=6", "eval_every=4", "codec=int8",
         "faults.events=[{kind:diverge_site,site:2,at_round:1}]", timeout=240,
     )  # fmt: skip
     summary = json.loads((run.run_dir / "summary.json").read_text())

@@ -29,7 +29,7 @@ SITES, H, ROUNDS, BATCH = 3, 3, 3, 4
 # Every round waits for every site: under the default quorum (a majority) a site whose process
 # starts a second late on a loaded machine misses round 0, and these runs compare every round.
 EVERY_SITE = [f"quorum.min_sites={SITES}"]
-SMALL = [f"sync_every={H}", f"rounds={ROUNDS}", f"data.batch_size={BATCH}", "eval_every=1", "sim.timeout_s=240"]
+SMALL = [f"sync.every={H}", f"rounds={ROUNDS}", f"data.batch_size={BATCH}", "eval_every=1", "sim.timeout_s=240"]
 
 METRIC_KEYS = {"round", "participants", "tokens", "bytes_up", "bytes_down", "train_loss", "eval_bpb", "global_sha256", "wall_s"}
 SUMMARY_KEYS = {
@@ -211,7 +211,8 @@ def _assert_failed_before_start(run: Run) -> None:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("sync_every=0", ["sync_every"]),
+        ("sync.every=0", ["sync.every"]),
+        ("fragments=2", ["fragments: renamed, use sync.fragments"]),
         ("sites=0", ["sites"]),
         ("rounds=0", ["rounds"]),
         ("model=huge", ["huge", "tiny", "small"]),
@@ -224,7 +225,7 @@ def _assert_failed_before_start(run: Run) -> None:
 )
 def test_config_error_fails_fast(tmp_path: Path, override: str, expected: list[str]) -> None:
     key = override.split("=")[0]
-    base = [o for o in ("sites=2", "sync_every=2", "rounds=2", "data.batch_size=4") if o.split("=")[0] != key]
+    base = [o for o in ("sites=2", "sync.every=2", "rounds=2", "data.batch_size=4") if o.split("=")[0] != key]
     run = run_sim(tmp_path / "run", *base, override, timeout=60)
     _assert_failed_before_start(run)
     for word in expected:
@@ -252,7 +253,7 @@ def test_bad_data_path_fails_fast(tmp_path: Path, kind: str) -> None:
         path = data / "tiny.txt"
         path.write_text(("To be, or not to be, that is the question. " * 3)[:100])
         assert path.stat().st_size == 100
-    run = run_sim(tmp_path / "run", "mode=diloco", "sites=2", "sync_every=2", "rounds=2", "data.batch_size=4", f"data.path={path}", timeout=60)
+    run = run_sim(tmp_path / "run", "mode=diloco", "sites=2", "sync.every=2", "rounds=2", "data.batch_size=4", f"data.path={path}", timeout=60)
     _assert_failed_before_start(run)
     assert str(path) in run.stderr, run.describe()
     assert "Traceback" not in run.stderr, run.describe()
@@ -288,7 +289,7 @@ def test_custom_data_directory(tmp_path: Path) -> None:
 
     sites, h, rounds = 2, 2, 2
     run = run_ok(
-        tmp_path / "run", "mode=diloco", f"sites={sites}", f"sync_every={h}", f"rounds={rounds}", f"data.batch_size={BATCH}",
+        tmp_path / "run", "mode=diloco", f"sites={sites}", f"sync.every={h}", f"rounds={rounds}", f"data.batch_size={BATCH}",
         "eval_every=1", f"data.path={corpus}",
     )  # fmt: skip
     summary = run.summary
@@ -309,7 +310,7 @@ def test_site_death_fails_run_and_cleans_up(tmp_path: Path) -> None:
     out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # Rounds of 150 inner steps take several seconds each, so the run is mid-round when we kill.
     cmd = [
-        *sim_command(), "mode=diloco", "sites=2", "sync_every=150", "rounds=3", f"data.batch_size={BATCH}",
+        *sim_command(), "mode=diloco", "sites=2", "sync.every=150", "rounds=3", f"data.batch_size={BATCH}",
         "eval_every=3", "sim.timeout_s=150", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     with open(out_path, "w") as out, open(err_path, "w") as err:

@@ -29,7 +29,7 @@ def _plain_diloco_sha256(cfg: RunConfig) -> str:
     does (its shard, its seed, the run's lr schedule) and syncing with ``OuterSync.sync`` every H
     steps, with none of the streaming machinery (no RoundLoop, no schedule, no rounds in flight)."""
     theta0, source = initial_params(cfg)
-    coord = Coordinator(theta0, cfg.outer, coordinator_config(cfg, CoordinatorOptions(port=0), source, evaluates=False))  # type: ignore[arg-type]
+    coord = Coordinator(theta0, cfg.outer_step, coordinator_config(cfg, CoordinatorOptions(port=0), source, evaluates=False))
     server, port = serve(coord, "127.0.0.1", 0)
     errors: list[BaseException] = []
 
@@ -39,13 +39,13 @@ def _plain_diloco_sha256(cfg: RunConfig) -> str:
             trainer = InnerTrainer(model, cfg.inner, total_steps=cfg.total_steps)
             corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
             sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
-            options = SyncOptions(codec=cfg.codec, error_feedback=cfg.error_feedback, error_feedback_decay=cfg.error_feedback_decay, sync_every=cfg.sync_every)
+            options = SyncOptions(own=cfg.settings)
             with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=60) as client:
                 sync = OuterSync(model, client, str(shard), options)
                 sync.join()
                 while not sync.finished:
-                    losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync_every)]
-                    sync.sync(tokens=cfg.sync_every * sampler.tokens_per_batch, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync_every)
+                    losses = [trainer.step(*sampler.next_batch()) for _ in range(cfg.sync.every)]
+                    sync.sync(tokens=cfg.sync.every * sampler.tokens_per_batch, train_loss=sum(losses) / len(losses), inner_steps=cfg.sync.every)
                 sync.leave()
         except BaseException as e:  # noqa: BLE001 - re-raised by the test
             errors.append(e)
@@ -73,7 +73,7 @@ def test_one_fragment_without_overlap_is_todays_diloco_bit_for_bit(tmp_path: Pat
     # The subnormal flush off: it is a per-process (per-thread) setting the reference would
     # have to share with the test process.
     cfg = run_config_from_dict(
-        {"sites": 2, "sync_every": 5, "rounds": 3, "codec": codec, "fragments": 1, "overlap_steps": 0, "eval_every": 100, "inner": {"flush_denormal": False}}
+        {"sites": 2, "rounds": 3, "codec": codec, "eval_every": 100, "inner": {"flush_denormal": False}, "sync": {"every": 5, "fragments": 1, "overlap": 0}}
     )
     summary = run_simulation(cfg, tmp_path / "run", progress=None, plots=False)
     assert summary["hashes_equal"]
@@ -100,11 +100,11 @@ def streaming_kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(
         tmp_path_factory.mktemp("streaming") / "run",
         *BASE,
-        "sync_every=4",
+        "sync.every=4",
         "rounds=4",
-        "fragments=2",
-        "overlap_steps=1",
-        "merge=ahead",
+        "sync.fragments=2",
+        "sync.overlap=1",
+        "sync.merge=ahead",
         "codec=int8",
         events,
         timeout=280,
@@ -147,12 +147,12 @@ def test_frozen_fragments_end_without_flush_rounds_through_a_restart_among_them(
         tmp_path / "run",
         *BASE,
         "sites=2",
-        "sync_every=4",
+        "sync.every=4",
         "rounds=3",
-        "fragments=2",
-        "overlap_steps=1",
-        "merge=ahead",
-        "fragment_end=freeze",
+        "sync.fragments=2",
+        "sync.overlap=1",
+        "sync.merge=ahead",
+        "sync.end=freeze",
         "codec=int8",
         events,
         timeout=280,
@@ -167,7 +167,7 @@ def test_frozen_fragments_end_without_flush_rounds_through_a_restart_among_them(
 @pytest.mark.parametrize("mode", ["eager", "delayed"])
 def test_eager_and_delayed_runs_survive_a_coordinator_restart(tmp_path: Path, mode: str) -> None:
     events = _events("{kind:kill_coordinator,at_round:2,phase:mid,restart_after_s:0.5}")
-    run = run_ok(tmp_path / "run", *BASE, "sites=2", "sync_every=3", "rounds=4", f"outer_mode={mode}", events, timeout=280)
+    run = run_ok(tmp_path / "run", *BASE, "sites=2", "sync.every=3", "rounds=4", f"sync.mode={mode}", events, timeout=280)
     summary = run.summary
     assert [m["round"] for m in run.metrics] == list(range(4))
     assert summary["hashes_equal"] and set(summary["site_global_sha256"]) == {"0", "1"}
@@ -178,7 +178,7 @@ def test_streaming_with_striping_through_emulated_links(tmp_path: Path) -> None:
     """2 sites through the WAN emulator (50 Mbit/s, 20 ms each; a shared coordinator link),
     2 fragments of equal sizes with overlap, each push and pull over 2 connections, TLS on every one."""
     run = run_ok(
-        tmp_path / "run", "sites=2", "sync_every=4", "rounds=2", "fragments=2", "fragment_split=balanced", "overlap_steps=1", "streams=2", "eval_every=100",
+        tmp_path / "run", "sites=2", "sync.every=4", "rounds=2", "sync.fragments=2", "sync.split=balanced", "sync.overlap=1", "sync.streams=2", "eval_every=100",
         "wan.bandwidth_mbit=50", "wan.rtt_ms=20", "wan.coordinator={bandwidth_mbit:80}", timeout=200,
     )  # fmt: skip
     summary = run.summary

@@ -24,7 +24,7 @@ from diloco.model import build_model, lm_loss, model_config
 from diloco.outer import OuterConfig, RobustConfig, params_sha256
 from diloco.plugins.common import SiteSettings
 from diloco.transport import CoordinatorClient, serve
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -156,7 +156,7 @@ def test_a_dropped_round_shows_on_the_object() -> None:
 
         model, optimizer, sampler = _loop()
         with CoordinatorClient(address, timeout_s=30) as other:
-            other.join("other", fingerprint(theta0).values())
+            other.join(JoinRequest("other", tuple(fingerprint(theta0).values())))
             with DiLoCo(model, optimizer, coordinator=address, site_id="late", sync_every=2) as dl:
                 other_pushes(0)
                 clock.t += 31  # past round 0's deadline
@@ -190,8 +190,9 @@ def test_sync_settings_reach_outer_sync(error_feedback: bool) -> None:
             error_feedback=error_feedback, error_feedback_decay=0.5, round_timeout_s=42.0,
         ) as dl:  # fmt: skip
             sync = dl.sync
-            o = sync.options
-            assert (o.error_feedback, o.error_feedback_decay, o.timeouts.round_timeout_s) == (error_feedback, 0.5, 42.0)
+            s = sync.settings  # the coordinator owns none here: the site's own, with what it was given
+            assert (s.codec.name, s.error_feedback, s.error_feedback_decay, sync.options.timeouts.round_timeout_s) == ("int8", error_feedback, 0.5, 42.0)
+            assert set(sync.options.stated) == {"sync.every", "codec", "error_feedback", "error_feedback_decay"}
             _forward_backward(model, sampler)
             optimizer.step()
             assert dl.finished
@@ -205,8 +206,14 @@ def test_sync_settings_reach_outer_sync(error_feedback: bool) -> None:
             site = settings.join(build_model(MODEL, seed=0))
             try:
                 sync = site.sync
-                o = sync.options
-                assert (o.error_feedback, o.error_feedback_decay, o.timeouts.round_timeout_s) == (error_feedback, 0.25, 9.0)
+                s = sync.settings
+                assert (s.sync.every, s.codec.name, s.error_feedback, s.error_feedback_decay, sync.options.timeouts.round_timeout_s) == (
+                    2,
+                    "int8",
+                    error_feedback,
+                    0.25,
+                    9.0,
+                )
             finally:
                 site.leave()
 
@@ -274,7 +281,7 @@ def test_a_refused_push_still_applies_the_round_but_keeps_the_residual() -> None
         tiny = {n: torch.full_like(p, 1e-9) for n, p in theta0.items()}
         model, optimizer, sampler = _loop()
         with CoordinatorClient(address, timeout_s=30) as other:
-            other.join("other", fingerprint(theta0).values())
+            other.join(JoinRequest("other", tuple(fingerprint(theta0).values())))
             header = PushHeader(site_id="other", round=0, tokens=10, train_loss=1.0, inner_steps=1)
             assert other.push(header, encode_chunks(tiny, codec=get_codec("fp32"))).accepted
             with DiLoCo(model, optimizer, coordinator=address, site_id="big", sync_every=2, codec="int8") as dl:

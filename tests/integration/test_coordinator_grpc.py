@@ -18,7 +18,7 @@ from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, ServerLimits, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
-from diloco.types import Chunk, PushHeader, TensorSpec
+from diloco.types import Chunk, JoinRequest, PushHeader, TensorSpec
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -49,7 +49,7 @@ def _push(client: CoordinatorClient, site: str, round: int, delta: dict[str, tor
 
 def _join(client: CoordinatorClient, *sites: str) -> None:
     for s in sites:
-        client.join(s, fingerprint(_theta()).values())
+        client.join(JoinRequest(s, tuple(fingerprint(_theta()).values())))
 
 
 def test_round_commits_when_every_site_pushed_and_sites_get_identical_theta(served) -> None:
@@ -265,7 +265,7 @@ def test_a_withheld_push_crosses_the_wire_and_the_round_goes_on_without_it(serve
     assert _push(client, "b", 0, _delta(0.2)).accepted
     assert coord.committed_rounds == 1
     solo = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=1))
-    solo.join("b", fingerprint(_theta()).values())
+    solo.join(JoinRequest("b", tuple(fingerprint(_theta()).values())))
     solo.push(PushHeader(site_id="b", round=0, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(_delta(0.2), codec=FP32))
     assert coord.global_sha256() == solo.global_sha256()  # θ moved by b's Δ alone
 
@@ -284,7 +284,9 @@ def test_push_must_start_with_a_header(served) -> None:
 def test_join_refuses_a_mismatched_model_naming_the_differences(served) -> None:
     _, client = served
     specs = [TensorSpec("layer.w", (4, 4), "float32"), TensorSpec("layer.b", (3,), "float16"), TensorSpec("extra", (1,), "float32")]
-    _expect_refused(lambda: client.join("a", specs), "invalid_argument", "'layer.w'", "[4, 3]", "[4, 4]", "float16", "unexpected parameter 'extra'")
+    _expect_refused(
+        lambda: client.join(JoinRequest("a", tuple(specs))), "invalid_argument", "'layer.w'", "[4, 3]", "[4, 4]", "float16", "unexpected parameter 'extra'"
+    )
 
 
 def test_pulls_need_a_joined_site_and_a_committed_round(served) -> None:

@@ -23,7 +23,7 @@ from diloco.transport import CoordinatorClient, RemoteError, ServerLimits, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.serde import chunk_to_proto
-from diloco.types import Chunk, PushHeader, TensorSpec
+from diloco.types import Chunk, JoinRequest, PushHeader, TensorSpec
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -47,7 +47,7 @@ class Served:
 
     def join(self, *sites: str) -> None:
         for s in sites:
-            self.client.join(s, fingerprint(self.theta).values())
+            self.client.join(JoinRequest(s, tuple(fingerprint(self.theta).values())))
 
     def push(self, site: str, round: int, value: float = 0.1, tokens: int = 10, **header: object):
         delta = {n: torch.full_like(t, value) for n, t in self.theta.items()}
@@ -171,7 +171,7 @@ def test_waits_for_far_future_rounds_are_refused_at_once(served: Served) -> None
 def test_error_messages_quote_client_input_cut_short(served: Served) -> None:
     served.join("a")
     specs = [TensorSpec(name="z" * 20_000, shape=(3,), dtype="float32")] * 50
-    err = _refused(lambda: served.client.join("a", specs), "invalid_argument", "does not match")
+    err = _refused(lambda: served.client.join(JoinRequest("a", tuple(specs))), "invalid_argument", "does not match")
     assert len(err.message) < 2500
     err = _refused(lambda: served.client.leave("a", "f" * 100_000), "invalid_argument", "global_sha256")
     assert len(err.message) < 400

@@ -19,6 +19,7 @@ from diloco.security.certs import issue_site, make_ca
 from diloco.security.config import SecurityConfig
 from diloco.security.store import write_run_credentials
 from diloco.transport import ServerLimits, serve
+from diloco.types import JoinRequest
 from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,7 +39,7 @@ def test_hostile_connections_neither_starve_nor_wedge_a_tls_run(tmp_path: Path) 
     server, port = serve(coord, "127.0.0.1", 0, security=security, limits=ServerLimits(max_rpcs=MAX_RPCS, max_rpcs_per_site=8, stream_idle_s=1.0))
     stop_ticker = coord.start_ticker(0.05)
     address = f"127.0.0.1:{port}"
-    coord.join("x", fingerprint(theta).values())  # the site whose credentials leaked is a member
+    coord.join(JoinRequest("x", tuple(fingerprint(theta).values())))  # the site whose credentials leaked is a member
     x = creds.site_pem("x")
     foreign = issue_site(make_ca("not the run's CA", 1), "a", 1)
     load = HostileLoad(address, creds.ca_pem(), Leaked("x", x.cert, x.key, creds.site_token("x")), (foreign.key, foreign.cert), theta, CONNECTIONS)

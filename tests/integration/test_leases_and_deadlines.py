@@ -13,7 +13,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, RemoteError, serve
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -57,7 +57,7 @@ def _push(client: CoordinatorClient, site: str, round: int, value: float = 0.1):
 
 def _join(client: CoordinatorClient, *sites: str) -> None:
     for s in sites:
-        info = client.join(s, fingerprint(_theta()).values())
+        info = client.join(JoinRequest(s, tuple(fingerprint(_theta()).values())))
         assert info.lease_s > 0
 
 

@@ -68,7 +68,7 @@ def json_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(
         tmp_path_factory.mktemp("json") / "run",
         "sites=1",
-        "sync_every=1",
+        "sync.every=1",
         "rounds=1",
         "data.batch_size=2",
         "sim.plots=false",

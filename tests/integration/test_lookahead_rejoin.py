@@ -18,14 +18,15 @@ from diloco.errors import RemoteError
 from diloco.outer import OuterConfig
 from diloco.site.loop import RoundLoop
 from diloco.site.outer_sync import OuterSync, SyncOptions
-from diloco.site.overlap import SyncSchedule
+from diloco.sync import SyncConfig, SyncSchedule
 from diloco.transport import CoordinatorClient, serve
+from diloco.types import JoinRequest
 from diloco.wire import ChunkAssembler
 
 pytestmark = pytest.mark.timeout(60)
 
 SGD_MOMENTUM = OuterConfig(name="SGD", lr=0.5, momentum=0.5, nesterov=False)
-EAGER = SyncOptions(start_point="eager", outer=SGD_MOMENTUM, eager_weight=1.0)
+EAGER = SyncOptions.of(mode="eager", outer=SGD_MOMENTUM, lookahead_weight=1.0)
 
 
 def _model() -> nn.Module:
@@ -77,7 +78,7 @@ def _train(sync: OuterSync, rounds: int) -> None:
         return 1.0
 
     sync.join()
-    RoundLoop(sync, SyncSchedule(sync_every=2, outer_mode="eager"), step, tokens_per_step=1).run()
+    RoundLoop(sync, SyncSchedule(SyncConfig(every=2, mode="eager")), step, tokens_per_step=1).run()
     assert sync.round == rounds
 
 
@@ -96,14 +97,14 @@ def test_a_site_joining_mid_run_follows_the_coordinators_momentum_as_the_site_th
     momentum = run.coordinator._outer.momentum_buffers()
     assert {n: b.flatten()[0].item() for n, b in momentum.items()} == {"a": 3.5, "b": 3.5}
     # The site that ran all along recovered it from the three updates it applied.
-    assert {n: torch.equal(b, momentum[n]) for n, b in first._eager().buffer.items()} == {"a": True, "b": True}
+    assert {n: torch.equal(b, momentum[n]) for n, b in first._lookahead.buffer.items()} == {"a": True, "b": True}
     # The same site started again (a fresh process: no look-ahead of its own) pulls it with θ.
     again = run.site()
     before = again.stats.bytes_down
     again.join()
     assert again.round == 3
-    assert {n: torch.equal(b, momentum[n]) for n, b in again._eager().buffer.items()} == {"a": True, "b": True}
-    assert again._eager().mean is None
+    assert {n: torch.equal(b, momentum[n]) for n, b in again._lookahead.buffer.items()} == {"a": True, "b": True}
+    assert again._lookahead.mean is None
     # θ and the momentum came down: two float32 copies of the 7 parameters.
     assert again.stats.bytes_down - before == 2 * 7 * 4
     assert again.global_sha256() == run.coordinator.global_sha256()
@@ -130,7 +131,7 @@ def test_the_momentum_comes_with_theta_of_the_same_round_and_only_when_asked(run
 
 def test_an_outer_step_with_no_momentum_to_follow_is_refused_naming_it(run_factory) -> None:
     run = run_factory(2, OuterConfig(name="AdamW", lr=0.1))
-    run.client.join("0", run.site(SyncOptions()).layout.specs.values())
+    run.client.join(JoinRequest("0", tuple(run.site(SyncOptions()).layout.specs.values())))
     with pytest.raises(RemoteError) as e:
         run.client.pull_global_with_state("0")
     assert e.value.kind == "failed_precondition"

@@ -40,7 +40,7 @@ from diloco.outer import OuterConfig
 from diloco.security.config import SecurityConfig
 from diloco.security.store import RunCredentials, write_run_credentials
 from diloco.transport import CoordinatorClient, serve
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -94,7 +94,7 @@ def test_a_scrape_counts_rounds_pushes_bytes_and_refusals_by_reason(counted) -> 
         assert sample(before, "diloco_coordinator_pushes_refused_total", reason=reason) == 0
 
     for site in ("a", "b", "c"):
-        client.join(site, fingerprint(THETA).values())
+        client.join(JoinRequest(site, tuple(fingerprint(THETA).values())))
     assert _push(client, "a", 0).accepted and _push(client, "b", 0).accepted
     clock.t += 31  # round 0's deadline: it closes with a and b, c still active
     assert coord.tick() is not None
@@ -145,7 +145,7 @@ def _round(sites: list[HandSite], r: int) -> None:
 @pytest.mark.timeout(150)
 def test_the_coordinator_process_shows_its_rounds_in_tensorboard_metrics_and_health(tmp_path: Path) -> None:
     rounds = 3
-    cfg = run_config_from_dict({"sites": 2, "sync_every": 1, "rounds": rounds, "eval_by": "sites"})
+    cfg = run_config_from_dict({"sites": 2, "rounds": rounds, "eval_by": "sites", "sync": {"every": 1}})
     run_dir = tmp_path / "run"
     opts = CoordinatorOptions(
         port=0, port_file=str(tmp_path / "port.json"), linger_s=60, reflection=True, metrics=MetricsConfig(port=0, port_file=str(tmp_path / "prom.json"))
@@ -317,7 +317,7 @@ def test_a_metrics_port_in_use_fails_the_start_naming_the_port(busy_port: int, t
         serve_metrics(new_registry(), "127.0.0.1", busy_port)
     with pytest.raises(MetricsEndpointError, match=f"metrics.port={busy_port}"):
         check_port_free("127.0.0.1", busy_port)
-    cfg = run_config_from_dict({"sites": 1, "sync_every": 1, "rounds": 1, "eval_by": "sites"})
+    cfg = run_config_from_dict({"sites": 1, "rounds": 1, "eval_by": "sites", "sync": {"every": 1}})
     with pytest.raises(ConfigError, match=f"metrics.port={busy_port}: .* already in use"):
         sim_metrics({"port": busy_port}, cfg)
     # The coordinator and a site refuse it when they start, before anything else.

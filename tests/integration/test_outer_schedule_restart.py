@@ -13,7 +13,7 @@ from diloco import checkpoint as ck
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.outer import OuterConfig
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -28,7 +28,7 @@ ROUNDS = 8
 def _coordinator(ck_dir: Path) -> Coordinator:
     coord = Coordinator(THETA, OUTER, CoordinatorConfig(total_rounds=ROUNDS, min_sites=2, checkpoint_dir=str(ck_dir)))
     for s in SITES:
-        coord.join(s, fingerprint(THETA).values())
+        coord.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
     return coord
 
 
@@ -55,14 +55,14 @@ def test_a_restart_mid_warmup_keeps_theta_hash_equal(tmp_path: Path) -> None:
     restarted.restore(loaded.state)
     assert restarted.global_sha256() == hashes[1]
     for s in SITES:
-        restarted.join(s, fingerprint(THETA).values())
+        restarted.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
     for r in range(2, ROUNDS):
         _round(restarted, r)
         assert restarted.global_sha256() == hashes[r], r
     # The schedule did move θ differently from no schedule at all.
     plain = Coordinator(THETA, OuterConfig(), CoordinatorConfig(total_rounds=ROUNDS, min_sites=2))
     for s in SITES:
-        plain.join(s, fingerprint(THETA).values())
+        plain.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
     for r in range(ROUNDS):
         _round(plain, r)
     assert plain.global_sha256() != hashes[-1]

@@ -126,7 +126,7 @@ def test_positions_come_from_the_newest_incarnation_of_each_sites_progress_file(
 
 def test_a_site_shows_its_own_progress(tmp_path: Path) -> None:
     """diloco-site's progress: a real site (run_site) against a real coordinator, both here."""
-    cfg = run_config_from_dict({"sites": 1, "sync_every": 3, "rounds": 2, "eval_every": 2, "data": {"batch_size": 2}, "tensorboard": {"enabled": False}})
+    cfg = run_config_from_dict({"sites": 1, "rounds": 2, "eval_every": 2, "data": {"batch_size": 2}, "tensorboard": {"enabled": False}, "sync": {"every": 3}})
     port_file = tmp_path / "port.json"
     result: dict[str, Any] = {}
 
@@ -158,7 +158,7 @@ def test_diloco_sim_without_a_terminal_prints_plain_progress_lines(tmp_path: Pat
     run_dir = (tmp_path / "run").resolve()
     args = [
         "sites=2",
-        "sync_every=3",
+        "sync.every=3",
         "rounds=2",
         "data.batch_size=2",
         "eval_every=2",

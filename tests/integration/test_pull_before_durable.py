@@ -25,7 +25,7 @@ from diloco.transport import CoordinatorClient, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.transport.serde import COMMITTED_KEY
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -57,7 +57,7 @@ class Gated:
         self.client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=20, connect_timeout_s=10)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.client.join("a", fingerprint(_theta()).values())
+        self.client.join(JoinRequest("a", tuple(fingerprint(_theta()).values())))
 
     def push_in_background(self) -> tuple[threading.Thread, list[object]]:
         """Site a's push of round 0, which closes the round: it returns once the round is published."""

@@ -16,7 +16,7 @@ from matplotlib.image import imread
 
 from diloco.observe.logs import parse_line
 
-TINY = ["sites=2", "sync_every=2", "rounds=2", "data.batch_size=2", "eval_every=1", "sim.timeout_s=120"]
+TINY = ["sites=2", "sync.every=2", "rounds=2", "data.batch_size=2", "eval_every=1", "sim.timeout_s=120"]
 PLOTS = ["eval_vs_bytes.png", "eval_vs_tokens.png", "overview.png", "timeline.png", "train_loss_vs_tokens.png"]
 
 

@@ -18,7 +18,7 @@ from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, apply_update, params_sha256
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -33,7 +33,7 @@ def _coordinator(tmp_path: Path, outer: OuterConfig | None = None, **kwargs) -> 
     cfg = CoordinatorConfig(**{"total_rounds": 6, "min_sites": 2, "checkpoint_dir": str(tmp_path / "ck"), "quorum": QuorumConfig(**quorum), **kwargs})
     coord = Coordinator(THETA, outer or OuterConfig(), cfg)
     for s in SITES:
-        coord.join(s, fingerprint(THETA).values())
+        coord.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
     return coord
 
 
@@ -81,7 +81,7 @@ def test_a_late_push_is_refused_recorded_and_changes_nothing(tmp_path: Path) -> 
     coord = _coordinator(tmp_path, min_sites=1)
     coord.leave("b", "")  # only a is active: round 0 closes on its push
     _push(coord, "a", 0)
-    coord.join("b", fingerprint(THETA).values())
+    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))
     before = coord.global_sha256()
     with pytest.raises(CoordinatorError, match="committed without site 'b'") as info:
         _push(coord, "b", 0)
@@ -152,7 +152,7 @@ def test_a_late_push_is_merged_into_the_open_round_with_a_discount(tmp_path: Pat
     coord.on_commit.append(records.append)
     coord.leave("b", "")
     _push(coord, "a", 0)  # round 0 closes with a alone
-    coord.join("b", fingerprint(THETA).values())
+    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))
     theta1 = coord.global_params()
     merged = _push(coord, "b", 0)  # one round late: merged into round 1 with weight 10 x 0.5
     assert merged.accepted and merged.merged_into == 1
@@ -175,7 +175,7 @@ def test_a_push_later_than_max_staleness_is_dropped_even_with_merge(tmp_path: Pa
     coord.leave("b", "")
     _push(coord, "a", 0)
     _push(coord, "a", 1)
-    coord.join("b", fingerprint(THETA).values())
+    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))
     with pytest.raises(CoordinatorError, match="committed without site 'b'"):
         _push(coord, "b", 0)  # two rounds late
 
@@ -207,7 +207,7 @@ def test_a_commit_is_published_only_after_its_checkpoint_and_the_write_holds_no_
         # The lock is free while the checkpoint is written: these return at once, round 0 still open.
         assert coord.heartbeat("a").committed_rounds == 0
         assert coord.wait_round("a", 0, timeout_s=0.2).committed_rounds == 0
-        coord.join("c", fingerprint(THETA).values())
+        coord.join(JoinRequest("c", tuple(fingerprint(THETA).values())))
         with pytest.raises(CoordinatorError, match="round 0 is not committed yet"):
             coord.pull_update("a", 0)
         assert ck.load_latest(tmp_path / "ck") is None or ck.load_latest(tmp_path / "ck").round == 0  # type: ignore[union-attr]

@@ -68,7 +68,7 @@ def site() -> Iterator[tuple[PullFirst, OuterSync, nn.Module]]:
     coordinator = PullFirst(Coordinator(theta0, OuterConfig(), CoordinatorConfig(total_rounds=3)), patience_s=10.0)
     server, port = serve(coordinator, "127.0.0.1", 0)  # type: ignore[arg-type]  # a CoordinatorService by delegation
     client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30)
-    sync = OuterSync(model, client, "0", SyncOptions(codec="fp32"))
+    sync = OuterSync(model, client, "0", SyncOptions.of(codec="fp32"))
     try:
         yield coordinator, sync, model
     finally:

@@ -21,7 +21,7 @@ from diloco.security.config import SecurityConfig, is_loopback
 from diloco.security.store import RunCredentials, add_sites, write_run_credentials
 from diloco.security.tokens import new_token
 from diloco.transport import CoordinatorClient, serve
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -76,8 +76,8 @@ _refused = expect_refused
 
 def test_sites_with_their_own_credentials_run_a_round(secured: Secured) -> None:
     a, b = secured.client("0"), secured.client("1")
-    a.join("0", fingerprint(THETA).values())
-    b.join("1", fingerprint(THETA).values())
+    a.join(JoinRequest("0", tuple(fingerprint(THETA).values())))
+    b.join(JoinRequest("1", tuple(fingerprint(THETA).values())))
     assert _push(a, "0").accepted and _push(b, "1").accepted
     assert a.wait_round("0", 0, timeout_s=5).committed_rounds == 1
     status, chunks = b.pull_global("1")
@@ -89,9 +89,9 @@ def test_credentials_of_one_site_cannot_act_for_another(secured: Secured) -> Non
     """A client could join under a real site's id, push in its name (the real site's push was
     then a "duplicate"), or make it leave."""
     real, other = secured.client("0"), secured.client("1")
-    real.join("0", fingerprint(THETA).values())
+    real.join(JoinRequest("0", tuple(fingerprint(THETA).values())))
     before = secured.coord.global_sha256()
-    err = _refused(lambda: other.join("0", fingerprint(THETA).values()), "permission_denied")
+    err = _refused(lambda: other.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "permission_denied")
     assert "cannot act for site '0'" in err.message
     _refused(lambda: _push(other, "0"), "permission_denied")
     _refused(lambda: other.leave("0", ""), "permission_denied")
@@ -130,7 +130,7 @@ def test_mtls_refuses_a_client_without_a_valid_certificate_of_the_run(creds_dir:
         else:
             client = CoordinatorClient(s.address, timeout_s=5, connect_timeout_s=wait)
             s.clients.append(client)
-        _refused(lambda: client.join("0", fingerprint(THETA).values()), "unavailable", "internal")
+        _refused(lambda: client.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "unavailable", "internal")
         assert s.coord.active_sites == frozenset()
     finally:
         s.close()
@@ -144,7 +144,7 @@ def test_token_auth_refuses_an_unknown_token(creds_dir: Path, tmp_path: Path, to
         shutil.copytree(creds_dir, bad)
         RunCredentials.at(bad).site_files("0").token.write_text(new_token() if token == "never issued" else "x")
         client = s.client("0", bad)
-        err = _refused(lambda: client.join("0", fingerprint(THETA).values()), "unauthenticated")
+        err = _refused(lambda: client.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "unauthenticated")
         assert "token" in err.message
         assert s.coord.active_sites == frozenset()
     finally:
@@ -159,7 +159,7 @@ def test_a_site_that_was_not_issued_credentials_cannot_join(creds_dir: Path, tmp
         shutil.copytree(creds_dir, extra)
         add_sites(extra, ["2"], days=1)
         client = s.client("2", extra)
-        _refused(lambda: client.join("2", fingerprint(THETA).values()), "unauthenticated")
+        _refused(lambda: client.join(JoinRequest("2", tuple(fingerprint(THETA).values()))), "unauthenticated")
     finally:
         s.close()
 
@@ -189,7 +189,7 @@ def test_token_auth_refuses_a_call_without_a_token(creds_dir: Path) -> None:
     s = Secured(creds_dir, "token")
     try:
         client = s.client("0", auth="mtls")  # TLS, a certificate the server does not ask for, no token
-        err = _refused(lambda: client.join("0", fingerprint(THETA).values()), "unauthenticated")
+        err = _refused(lambda: client.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "unauthenticated")
         assert "no bearer token" in err.message
     finally:
         s.close()

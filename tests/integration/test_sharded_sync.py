@@ -12,7 +12,7 @@ from diloco.codec import CodecError, get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import ChunkAssembler, SliceAssembler, encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -35,7 +35,7 @@ def _delta(seed: int) -> dict[str, torch.Tensor]:
 def _coordinator(**kwargs) -> Coordinator:
     coord = Coordinator(THETA, OuterConfig(), CoordinatorConfig(**{"total_rounds": 3, "min_sites": 2, **kwargs}))
     for s in ("a", "b"):
-        coord.join(s, fingerprint(THETA).values())
+        coord.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
     return coord
 
 
@@ -174,7 +174,7 @@ def test_a_site_that_joins_again_pushes_all_its_parts_again() -> None:
     old, new = _delta(8), _delta(9)
     coord.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32))
     assert coord.push(_header("b", 0, part=0, parts=2), _part(old, RANK0, 0)).accepted
-    coord.join("b", fingerprint(THETA).values())  # the site's ranks come back
+    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))  # the site's ranks come back
     coord.push(_header("b", 0, part=1, parts=2), _part(new, RANK1, 0))
     assert coord.committed_rounds == 0  # part 0 of the old incarnation was forgotten
     coord.push(_header("b", 0, part=0, parts=2), _part(new, RANK0, 0))

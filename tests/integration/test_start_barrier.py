@@ -17,6 +17,7 @@ from diloco.coordinator.round_policy import QuorumConfig
 from diloco.coordinator.start_barrier import StartBarrier
 from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, RemoteError, serve
+from diloco.types import JoinRequest
 from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,7 +53,7 @@ def _pull_in_thread(client: CoordinatorClient, site: str, done: dict[str, float]
 
 def _join(client: CoordinatorClient, *sites: str) -> None:
     for s in sites:
-        client.join(s, fingerprint(THETA).values())
+        client.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
 
 
 def test_the_first_pulls_wait_for_every_site_then_round_0_opens(three) -> None:

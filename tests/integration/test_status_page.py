@@ -39,7 +39,7 @@ from diloco.outer import OuterConfig
 from diloco.security.config import SecurityConfig
 from diloco.security.store import RunCredentials, write_run_credentials
 from diloco.sim.sections import sim_status
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -219,7 +219,7 @@ def _wait_for(path: Path, thread: threading.Thread) -> dict[str, Any]:
 @needs_chromium
 def test_the_page_in_chromium_shows_the_sites_and_the_round_and_updates_itself(tmp_path: Path, browser: Callable[..., Chromium]) -> None:
     rounds = 3
-    cfg = run_config_from_dict({"sites": 2, "sync_every": 1, "rounds": rounds, "eval_every": 2, "tensorboard": {"enabled": False}})
+    cfg = run_config_from_dict({"sites": 2, "rounds": rounds, "eval_every": 2, "tensorboard": {"enabled": False}, "sync": {"every": 1}})
     opts = CoordinatorOptions(port=0, port_file=str(tmp_path / "port.json"), linger_s=60, status=StatusConfig(port=0, port_file=str(tmp_path / "status.json")))
     result: dict[str, Any] = {}
     coordinators: list[Coordinator] = []
@@ -298,7 +298,7 @@ def creds(tmp_path: Path) -> RunCredentials:
 def _coordinator(*join: str) -> Coordinator:
     c = Coordinator(THETA, OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
     for s in join:
-        c.join(s, fingerprint(THETA).values())
+        c.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
     return c
 
 

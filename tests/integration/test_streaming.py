@@ -12,22 +12,24 @@ import pytest
 import torch
 from torch import nn
 
+from diloco.app.config import run_config_from_dict
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import RemoteError
 from diloco.outer import OuterConfig
 from diloco.site.loop import RoundLoop
 from diloco.site.outer_sync import OuterSync, SyncOptions
-from diloco.site.overlap import SyncSchedule
+from diloco.sync import RunSettings, SyncConfig, SyncSchedule
 from diloco.transport import CoordinatorClient, serve
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
+from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class TwoLayers(nn.Module):
-    """Parameters blocks.0.w and blocks.1.w (two elements each): fragments=2 puts one in each."""
+    """Parameters blocks.0.w and blocks.1.w (two elements each): sync.fragments=2 puts one in each."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class Site:
     def __init__(self, rounds: int, options: SyncOptions, outer: OuterConfig, flush_rounds: int = 0) -> None:
         self.model = TwoLayers()
         theta0 = {n: torch.zeros_like(p) for n, p in self.model.named_parameters()}
-        config = CoordinatorConfig(total_rounds=rounds, fragments=options.fragments, flush_rounds=flush_rounds)
+        config = CoordinatorConfig(total_rounds=rounds, fragments=options.settings.sync.fragments, flush_rounds=flush_rounds)
         self.coordinator = Coordinator(theta0, outer, config)
         self.server, port = serve(self.coordinator, "127.0.0.1", 0)
         self.client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30)
@@ -124,7 +126,7 @@ def test_the_utilization_span_ends_when_the_last_round_lands_not_after_what_foll
     site does with that round afterwards (the final evaluation, its log) is not training."""
     site = site_factory(2, SyncOptions(), SGD_HALF)
     site.after_land_s = 0.05
-    loop = site.run(SyncSchedule(sync_every=2, overlap_steps=overlap))
+    loop = site.run(SyncSchedule(SyncConfig(every=2, overlap=overlap)))
     assert len(site.landed_at) == 2
     assert loop.stats.trained <= loop.stats.ended <= site.landed_at[-1]
 
@@ -137,8 +139,8 @@ def test_two_fragments_overlap_one_step_alpha_half_by_hand(site_factory) -> None
     # r2: step -> (-4,-5); land r1: G1=-2, L1=.5*-5+.5*-2=-3.5; step -> (-5,-4.5); push frag 0: Δ=-1-(-5)=4.
     # r3: step -> (-6,-5.5); land r2: G0=-1-2=-3, L0=.5*-6+.5*-3=-4.5; step -> (-5.5,-6.5); push frag 1: Δ=-2-(-6.5)=4.5.
     # end: land r3: G1=-2-2.25=-4.25, L1=.5*-6.5+.5*-4.25=-5.375.
-    site = site_factory(4, SyncOptions(fragments=2, alpha=0.5), SGD_HALF)
-    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1))
+    site = site_factory(4, SyncOptions.of(fragments=2, local_weight=0.5), SGD_HALF)
+    loop = site.run(SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1)))
     assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.5}]
     assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.25}
     assert _params(site.model) == {A: -5.5, B: -5.375}
@@ -155,8 +157,8 @@ def test_the_delta_merge_keeps_the_overlapped_steps(site_factory) -> None:
     # step (-5,-4); push 0: Δ=-1+5=4 (at -5). r3: step (-6,-5); land r2: G0=-3, L0=-3+(-6+5)=-4;
     # step (-5,-6); push 1: Δ=-2+6=4 (at -6). End: land r3: G1=-4, L1=-4+0=-4.
     # The pushes are those of blocking fragments (next test): no overlapped step is lost.
-    site = site_factory(4, SyncOptions(fragments=2, merge="delta"), SGD_HALF)
-    site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1))
+    site = site_factory(4, SyncOptions.of(fragments=2, merge="delta"), SGD_HALF)
+    site.run(SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1)))
     assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
     assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.0}
     assert _params(site.model) == {A: -5.0, B: -4.0}
@@ -171,8 +173,8 @@ def test_the_flush_round_is_pushed_while_the_last_round_lands_by_hand(site_facto
     # as soon as round 3 is committed, before round 3 lands (τ=1: round 3 is still in flight).
     # r4: Δ_A = G_A − L_A = −3 − (−5) = 2 → θ_A = −3 − 2 = −5 (an outer step would be −4).
     # r3 lands: G_B = −2 − .5·4 = −4, L_B = −4. θ = model = (−5, −4).
-    site = site_factory(5, SyncOptions(fragments=2, merge="delta"), SGD_HALF, flush_rounds=1)
-    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=overlap, train_rounds=4))
+    site = site_factory(5, SyncOptions.of(fragments=2, merge="delta"), SGD_HALF, flush_rounds=1)
+    loop = site.run(SyncSchedule(SyncConfig(every=4, fragments=2, overlap=overlap), train_rounds=4))
     assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}, {A: 2.0}]
     assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -5.0, B: -4.0}
     assert _params(site.model) == {A: -5.0, B: -4.0}
@@ -192,8 +194,8 @@ def test_frozen_fragments_stop_at_their_last_push_and_need_no_flush_round_by_han
     # r2: push A: Δ=−1+5=4 (at −5); A frozen. r3: step (−5,−5); land r2: G_A=−1−2=−3,
     # L_A=−3+(−5+5)=−3; step (−3,−6); push B: Δ=−2+6=4 (at −6), the run's last round.
     # End: land r3: G_B=−2−2=−4, L_B=−4. No flush round: θ = model = (−3, −4) (flush: −5, −4).
-    site = site_factory(4, SyncOptions(fragments=2, merge="delta"), SGD_HALF)
-    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1, train_rounds=4, end="freeze"))
+    site = site_factory(4, SyncOptions.of(fragments=2, merge="delta"), SGD_HALF)
+    loop = site.run(SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1, end="freeze"), train_rounds=4))
     assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
     assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.0, B: -4.0}
     assert _params(site.model) == {A: -3.0, B: -4.0}
@@ -205,14 +207,14 @@ def test_frozen_fragments_stop_at_their_last_push_and_need_no_flush_round_by_han
 def test_a_site_joining_after_a_fragments_last_push_keeps_it_frozen(site_factory) -> None:
     # The loop starts at round 3 (as a site restarted there would): fragment A's last round (2)
     # is behind it, so A stays where it is while B trains: at the second step A is still 0.
-    site = site_factory(4, SyncOptions(fragments=2, merge="delta"), SGD_HALF)
+    site = site_factory(4, SyncOptions.of(fragments=2, merge="delta"), SGD_HALF)
     site.sync.join()
     site.sync.round = 3
     site.sync.join = lambda: None  # type: ignore[method-assign]
     seen: list[dict[str, float]] = []
     step = site.step
     site.step = lambda r, k: (seen.append(_params(site.model)), step(r, k))[1]  # type: ignore[method-assign]
-    loop = site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1, train_rounds=4, end="freeze"))
+    loop = site.run(SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1, end="freeze"), train_rounds=4))
     assert seen == [{A: 0.0, B: 0.0}, {A: 0.0, B: -1.0}]
     assert site.pushed == [{B: 2.0}] and loop.frozen.names >= {A}
 
@@ -221,8 +223,8 @@ def test_blocking_fragments_replace_each_landed_fragment(site_factory) -> None:
     # The same with τ=0, α=0: each round lands before the next step and replaces its fragment.
     # r0: (-2,-2), Δ0=2, G0=-1, L0=-1. r1: (-3,-4), Δ1=4, G1=-2, L1=-2.
     # r2: (-5,-4), Δ0=-1+5=4, G0=-3, L0=-3. r3: (-5,-6), Δ1=-2+6=4, G1=-4, L1=-4.
-    site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
-    site.run(SyncSchedule(sync_every=4, fragments=2))
+    site = site_factory(4, SyncOptions.of(fragments=2), SGD_HALF)
+    site.run(SyncSchedule(SyncConfig(every=4, fragments=2)))
     assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
     assert _params(site.model) == {A: -5.0, B: -4.0}  # fragment 0 trained on after r2
     assert site.sync.global_sha256() == site.coordinator.global_sha256()
@@ -242,8 +244,8 @@ def test_the_ahead_merge_with_one_site_and_weight_one_is_blocking_fragments_by_h
     # A=-3.5+(-8.5+7.5)=-4.5; step (-5.5,-6); push B: Δ=-2+6=4, B -= .5*(.5*4+4) -> (-5.5,-9).
     # End: land r3: buf_B=6, G_B=-5, B=-5. One site's look-ahead is the outer step itself, so
     # the pushes, θ and the model are blocking fragments' (Δ 2, 4, 4, 4; θ (-3.5, -5)).
-    site = site_factory(4, SyncOptions(fragments=2, merge="ahead", outer=SGD_MOMENTUM, eager_weight=1.0), SGD_MOMENTUM)
-    site.run(SyncSchedule(sync_every=4, fragments=2, overlap_steps=1))
+    site = site_factory(4, SyncOptions.of(fragments=2, merge="ahead", outer=SGD_MOMENTUM, lookahead_weight=1.0), SGD_MOMENTUM)
+    site.run(SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1)))
     assert site.pushed == [{A: 2.0}, {B: 4.0}, {A: 4.0}, {B: 4.0}]
     assert {n: float(p[0]) for n, p in site.coordinator.global_params().items()} == {A: -3.5, B: -5.0}
     assert _params(site.model) == {A: -5.5, B: -5.0}
@@ -268,8 +270,9 @@ def test_eager_and_delayed_start_points_by_hand(site_factory, mode: str, starts:
     # Both push Δ = 2 every round (the phase's own progress); the coordinator's θ is then the
     # same SGD(lr .5, momentum .5) sequence: G = -1, -2.5, then buf=.5*3+2=3.5 -> -4.25; the
     # model ends at θ.
-    site = site_factory(3, SyncOptions(start_point=mode, outer=SGD_MOMENTUM, eager_weight=1.0), SGD_MOMENTUM)
-    loop = site.run(SyncSchedule(sync_every=2, outer_mode=mode))
+    weight = {"lookahead_weight": 1.0} if mode == "eager" else {}  # delayed does not look ahead
+    site = site_factory(3, SyncOptions.of(mode=mode, outer=SGD_MOMENTUM, **weight), SGD_MOMENTUM)
+    loop = site.run(SyncSchedule(SyncConfig(every=2, mode=mode)))
     assert [s[A] for s in site.phase_starts] == starts
     assert [p[A] for p in site.pushed] == [2.0, 2.0, 2.0]
     assert _params(site.model) == {A: -4.25, B: -4.25}
@@ -281,7 +284,7 @@ def test_eager_and_delayed_start_points_by_hand(site_factory, mode: str, starts:
 
 
 def test_a_push_of_another_fragment_is_refused_saying_so(site_factory) -> None:
-    site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
+    site = site_factory(4, SyncOptions.of(fragments=2), SGD_HALF)
     site.sync.join()
     header = PushHeader(site_id="0", round=0, tokens=1, train_loss=1.0, inner_steps=1)
     chunks = list(encode_chunks({B: torch.ones(2)}, codec=get_codec("fp32")))
@@ -292,12 +295,27 @@ def test_a_push_of_another_fragment_is_refused_saying_so(site_factory) -> None:
     assert site.coordinator.committed_rounds == 0
 
 
-def test_a_site_with_another_number_of_fragments_is_refused_at_join(site_factory) -> None:
-    site = site_factory(4, SyncOptions(fragments=2), SGD_HALF)
-    with pytest.raises(RemoteError, match="fragments=1, this run has fragments=2"):
-        site.client.join("0", site.sync.layout.specs.values(), fragments=1)
-    with pytest.raises(RemoteError, match="fragment_split=balanced, this run has fragment_split=strided: use the run's value"):
-        site.client.join("0", site.sync.layout.specs.values(), fragments=2, fragment_split="balanced")
+def test_a_site_stating_another_split_is_refused_at_join_and_one_stating_nothing_gets_the_runs() -> None:
+    settings = run_config_from_dict({"rounds": 2, "sync": {"every": 4, "fragments": 2}}).settings
+    model = TwoLayers()
+    theta0 = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    coord = Coordinator(theta0, SGD_HALF, CoordinatorConfig.of_run(settings))
+    server, port = serve(coord, "127.0.0.1", 0)
+    specs = tuple(fingerprint(theta0).values())
+    try:
+        with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30) as client:
+            with pytest.raises(RemoteError, match=r"sync.fragments=1 \(the run's: 2\)") as e:
+                client.join(JoinRequest("0", specs, stated={"sync.fragments": 1}))
+            assert e.value.kind == "invalid_argument"
+            with pytest.raises(RemoteError, match=r'sync.split="balanced" \(the run\'s: "strided"\)'):
+                client.join(JoinRequest("0", specs, stated={"sync.fragments": 2, "sync.split": "balanced"}))
+            with pytest.raises(RemoteError, match="'sync.colour': not a run setting"):
+                client.join(JoinRequest("0", specs, stated={"sync.colour": 1}))
+            info = client.join(JoinRequest("0", specs, stated={"sync.streams": 4}))  # a site's own: never refused
+            assert RunSettings.from_dict(info.settings) == settings  # type: ignore[arg-type]
+            assert info.fragments == ((A,), (B,))  # the split, handed out
+    finally:
+        server.stop(grace=None).wait(5)
 
 
 def test_a_diverged_blocking_round_is_withheld_and_the_site_goes_on_from_theta_by_hand(site_factory) -> None:
@@ -308,7 +326,7 @@ def test_a_diverged_blocking_round_is_withheld_and_the_site_goes_on_from_theta_b
     resets: list[int] = []
     site.sync.on_diverged = lambda: resets.append(site.sync.round)
     site.step = _diverging(site.step, site.model, at_round=1, last_step=1)  # type: ignore[method-assign]
-    site.run(SyncSchedule(sync_every=2))
+    site.run(SyncSchedule(SyncConfig(every=2)))
     assert site.pushed == [{A: 2.0, B: 2.0}, {}, {A: 2.0, B: 2.0}]
     assert site.sync.stats.diverged_rounds == [1] and len(resets) == 1
     assert _params(site.model) == {A: -2.0, B: -2.0} and site.sync.global_sha256() == site.coordinator.global_sha256()
@@ -318,10 +336,10 @@ def test_a_diverged_blocking_round_is_withheld_and_the_site_goes_on_from_theta_b
 @pytest.mark.parametrize(
     "options, schedule",
     [
-        (SyncOptions(fragments=2, alpha=0.5), SyncSchedule(sync_every=4, fragments=2, overlap_steps=1)),
-        (SyncOptions(fragments=2, merge="delta"), SyncSchedule(sync_every=4, fragments=2, overlap_steps=1)),
-        (SyncOptions(start_point="eager", outer=SGD_HALF), SyncSchedule(sync_every=2, outer_mode="eager")),
-        (SyncOptions(start_point="delayed"), SyncSchedule(sync_every=2, outer_mode="delayed")),
+        (SyncOptions.of(fragments=2, local_weight=0.5), SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1))),
+        (SyncOptions.of(fragments=2, merge="delta"), SyncSchedule(SyncConfig(every=4, fragments=2, overlap=1))),
+        (SyncOptions.of(mode="eager", outer=SGD_HALF), SyncSchedule(SyncConfig(every=2, mode="eager"))),
+        (SyncOptions.of(mode="delayed"), SyncSchedule(SyncConfig(every=2, mode="delayed"))),
     ],
     ids=["overlap-alpha", "overlap-delta", "eager", "delayed"],
 )
@@ -373,9 +391,9 @@ def _striped_run(streams: int, codec: str) -> tuple[str, str, int]:
         corpus = load_corpus(DataConfig(batch_size=4), MODEL.context, num_shards=1)
         sampler = ShardSampler(corpus.train, shard=0, num_shards=1, batch_size=4, context=MODEL.context, seed=0)
         with CoordinatorClient(f"127.0.0.1:{port}", timeout_s=30, streams=streams) as client:
-            sync = OuterSync(model, client, "0", SyncOptions(codec=codec, streams=streams))
+            sync = OuterSync(model, client, "0", SyncOptions.of(codec=codec, streams=streams))
             sync.join()
-            RoundLoop(sync, SyncSchedule(sync_every=3), lambda _r, _s: trainer.step(*sampler.next_batch()), tokens_per_step=128).run()
+            RoundLoop(sync, SyncSchedule(SyncConfig(every=3)), lambda _r, _s: trainer.step(*sampler.next_batch()), tokens_per_step=128).run()
             sync.close()
             return sync.global_sha256(), coordinator.global_sha256(), sync.stats.bytes_up
     finally:

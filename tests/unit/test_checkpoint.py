@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diloco import checkpoint as ck
+from diloco.types import JoinRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -92,7 +93,7 @@ def test_a_restarted_coordinator_resumes_bit_identically(tmp_path: Path) -> None
 
     first = Coordinator(theta, OuterConfig(), cfg)
     for s in ("a", "b"):
-        first.join(s, fingerprint(theta).values())
+        first.join(JoinRequest(s, tuple(fingerprint(theta).values())))
     for r in range(2):
         push_round(first, r)
     assert first.committed_rounds == 2

@@ -13,7 +13,7 @@ from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, OuterOptimizer, OuterStepRefused
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -60,7 +60,7 @@ def _push(coord: Coordinator, site: str, round: int, value: float, tokens: int =
 
 def test_a_round_whose_step_would_overflow_is_rejected_and_the_residual_stays() -> None:
     coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, codec_down="int8"))
-    coord.join("a", fingerprint(_theta()).values())
+    coord.join(JoinRequest("a", tuple(fingerprint(_theta()).values())))
     records = []
     coord.on_commit.append(records.append)
     _push(coord, "a", 0, 0.01)
@@ -99,7 +99,7 @@ def test_a_checkpoint_that_cannot_be_written_fails_the_coordinator_and_wakes_wai
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
     coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=2, checkpoint_dir=str(blocker / "ckpt")))
-    coord.join("a", fingerprint(_theta()).values())
+    coord.join(JoinRequest("a", tuple(fingerprint(_theta()).values())))
     fatal: list[str] = []
     coord.on_fatal.append(lambda what, e: fatal.append(what))
     with pytest.raises(CoordinatorError) as info:

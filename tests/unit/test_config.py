@@ -3,6 +3,7 @@
 import pytest
 
 from diloco.app.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
+from diloco.sync import SyncConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ({"sync_every": 0}, "sync_every=0"),
+        ({"sync": {"every": 0}}, "sync.every=0"),
         ({"sites": 0}, "sites=0"),
         ({"rounds": -1}, "rounds=-1"),
         ({"mode": "allreduce"}, "mode='allreduce'"),
@@ -33,7 +34,9 @@ pytestmark = pytest.mark.timeout(30)
         ({"quorum": {"min_sites": 9}}, "quorum.min_sites=9"),
         ({"guard": {"factor": 0.5}}, "guard.factor=0.5"),
         ({"error_feedback_decay": -0.1}, "error_feedback_decay=-0.1"),
-        ({"aggregate": "median"}, "aggregate='median'"),
+        ({"aggregate": "mode"}, "aggregate='mode': must be one of mean, nonzero, trimmed_mean, median"),
+        ({"fragments": 2}, "fragments: renamed, use sync.fragments"),
+        ({"robust": {"aggregate": "median"}}, "robust.aggregate: renamed, use aggregate"),
     ],
 )
 def test_bad_values_name_the_field(override: dict, field: str) -> None:
@@ -73,7 +76,7 @@ def test_round_trip_and_workers() -> None:
     cfg = run_config_from_dict({"mode": "single", "sites": 4, "model": {"name": "small"}})
     assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
     assert cfg.workers == 1 and cfg.model.d_model == 256
-    assert RunConfig(sites=3).workers == 3 and RunConfig(rounds=4, sync_every=5).total_steps == 20
+    assert RunConfig(sites=3).workers == 3 and RunConfig(rounds=4, sync=SyncConfig(every=5)).total_steps == 20
 
 
 def test_codec_group_and_downlink_default() -> None:
@@ -142,15 +145,15 @@ def test_a_codec_brings_its_best_settings_unless_they_are_set(codec: str, aggreg
     from diloco.outer import OuterConfig
 
     sparse = codec.startswith("topk2bit")
-    # Dense codecs: the outer.auto rule for a 10-round run (tests/unit/test_outer_defaults.py).
+    # Dense codecs: the measured rule for a 10-round run (tests/unit/test_outer_defaults.py).
     best_outer = OuterConfig(lr=1.25, momentum=0.0, nesterov=False) if sparse else OuterConfig(lr=1.0, momentum=0.9, momentum_warmup=10, final_average=True)
     for cfg in (run_config_from_dict({"codec": codec}), RunConfig(codec=codec), run_config_from_dict({**run_config_defaults(), "codec": codec})):
-        assert (cfg.aggregate, cfg.error_feedback_decay, cfg.outer) == (aggregate, decay, best_outer)
+        assert (cfg.aggregate, cfg.error_feedback_decay, cfg.outer_step) == (aggregate, decay, best_outer)
         assert run_config_from_dict(run_config_to_dict(cfg)) == cfg
     mine = run_config_from_dict({"codec": codec, "aggregate": "mean", "error_feedback_decay": 0.5, "outer": {"lr": 0.5}})
     assert (mine.aggregate, mine.error_feedback_decay) == ("mean", 0.5)
-    # A run that sets the lr gets what it wrote, the codec's best for the rest (no auto rule).
-    assert mine.outer == (OuterConfig(**{**best_outer.__dict__, "lr": 0.5}) if sparse else OuterConfig(lr=0.5))
+    # A run that sets the lr gets what it wrote, the codec's best (or the rule) for every other field.
+    assert mine.outer_step == OuterConfig(**{**best_outer.__dict__, "lr": 0.5})
 
 
 def test_the_library_refuses_unknown_enum_values_as_the_config_does() -> None:
@@ -161,8 +164,8 @@ def test_the_library_refuses_unknown_enum_values_as_the_config_does() -> None:
         CoordinatorConfig(total_rounds=1, quorum=QuorumConfig(late="merg"))
     with pytest.raises(ValueError, match="deadline='soon'"):
         CoordinatorConfig(total_rounds=1, quorum=QuorumConfig(deadline="soon"))
-    with pytest.raises(ValueError, match="aggregate='median'"):
-        CoordinatorConfig(total_rounds=1, aggregate="median")
+    with pytest.raises(ValueError, match="aggregate='mode'"):
+        CoordinatorConfig(total_rounds=1, aggregate="mode")
     with pytest.raises(ValueError, match="unknown codec 'fp33'"):
         CoordinatorConfig(total_rounds=1, codec_down="fp33")
     with pytest.raises(ValueError, match="quorum=.*must be a QuorumConfig"):

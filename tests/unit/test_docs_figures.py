@@ -140,65 +140,136 @@ BLOCKING_FILES = tuple(f for f, _ in BLOCKING_R10)
 
 FIGURES: list[Figure] = [
     # README.md, "A real multi-site run", "Slow links"
-    readme("blocking utilization at 100 Mbit/s", r"where blocking\s+DiLoCo computes ([\d.]+)% of the time",
-           [M + "overlap_100mbit_r10_tau7_ahead.json"], lambda: utilization(M + "overlap_100mbit_r10_tau7_ahead.json", "blocking")),
-    readme("streaming utilization at 100 Mbit/s", r"τ = 5 computes ([\d.]+)% of the whole run",
-           [M + "overlap_100mbit_r10_tau5_ahead.json"], lambda: utilization(M + "overlap_100mbit_r10_tau5_ahead.json")),
-    readme("streaming bpb at 100 Mbit/s", r"of the whole run at ([+\-−][\d.]+)% bpb against\s+blocking",
-           TAU5_AHEAD + list(BLOCKING_FILES), lambda: median_vs_blocking(TAU5_AHEAD)),
-    readme("blocking utilization at 10 Mbit/s", r"\(blocking: ([\d.]+)%\)",
-           [M + "overlap_10mbit_r10.json"], lambda: utilization(M + "overlap_10mbit_r10.json", "blocking")),
-    readme("streaming utilization at 10 Mbit/s", r"they compute ([\d.]+)% of the\s+whole run",
-           FREEZE_10MBIT, lambda: statistics.median(utilization(f) for f in FREEZE_10MBIT)),
-    readme("streaming bpb at 10 Mbit/s", r"they compute [\d.]+% of the\s+whole run at ([+\-−][\d.]+)%",
-           FREEZE_SEEDS + list(BLOCKING_FILES), lambda: median_vs_blocking(FREEZE_SEEDS)),
-    readme("streaming over 30 rounds, merge=delta", r"`merge=delta` keeps ([+\-−][\d.]+)%",
-           [M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json", BLOCKING_R30],
-           lambda: pct(bpb(M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json"), bpb(BLOCKING_R30))),
-    readme("streaming over 30 rounds, merge=ahead", r"`ahead` ([+\-−][\d.]+)% \(one seed\)",
-           [M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json", BLOCKING_R30],
-           lambda: pct(bpb(M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json"), bpb(BLOCKING_R30))),
-    readme("eager's bpb", r"costs far more quality \(([+\-−][\d.]+)%\)",
-           [M + "overlap_10mbit_r10.json"], lambda: pct(bpb(M + "overlap_10mbit_r10.json", "eager"), bpb(M + "overlap_10mbit_r10.json", "blocking"))),
+    readme(
+        "blocking utilization at 100 Mbit/s",
+        r"where blocking\s+DiLoCo computes ([\d.]+)% of the time",
+        [M + "overlap_100mbit_r10_tau7_ahead.json"],
+        lambda: utilization(M + "overlap_100mbit_r10_tau7_ahead.json", "blocking"),
+    ),
+    readme(
+        "streaming utilization at 100 Mbit/s",
+        r"τ = 5 computes ([\d.]+)% of the whole run",
+        [M + "overlap_100mbit_r10_tau5_ahead.json"],
+        lambda: utilization(M + "overlap_100mbit_r10_tau5_ahead.json"),
+    ),
+    readme(
+        "streaming bpb at 100 Mbit/s",
+        r"of the whole run at ([+\-−][\d.]+)% bpb against\s+blocking",
+        TAU5_AHEAD + list(BLOCKING_FILES),
+        lambda: median_vs_blocking(TAU5_AHEAD),
+    ),
+    readme(
+        "blocking utilization at 10 Mbit/s",
+        r"\(blocking: ([\d.]+)%\)",
+        [M + "overlap_10mbit_r10.json"],
+        lambda: utilization(M + "overlap_10mbit_r10.json", "blocking"),
+    ),
+    readme(
+        "streaming utilization at 10 Mbit/s",
+        r"they compute ([\d.]+)% of the\s+whole run",
+        FREEZE_10MBIT,
+        lambda: statistics.median(utilization(f) for f in FREEZE_10MBIT),
+    ),
+    readme(
+        "streaming bpb at 10 Mbit/s",
+        r"they compute [\d.]+% of the\s+whole run at ([+\-−][\d.]+)%",
+        FREEZE_SEEDS + list(BLOCKING_FILES),
+        lambda: median_vs_blocking(FREEZE_SEEDS),
+    ),
+    readme(
+        "streaming over 30 rounds, sync.merge=delta",
+        r"`sync.merge=delta` keeps ([+\-−][\d.]+)%",
+        [M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json", BLOCKING_R30],
+        lambda: pct(bpb(M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json"), bpb(BLOCKING_R30)),
+    ),
+    readme(
+        "streaming over 30 rounds, sync.merge=ahead",
+        r"`ahead` ([+\-−][\d.]+)% \(one seed\)",
+        [M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json", BLOCKING_R30],
+        lambda: pct(bpb(M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json"), bpb(BLOCKING_R30)),
+    ),
+    readme(
+        "eager's bpb",
+        r"costs far more quality \(([+\-−][\d.]+)%\)",
+        [M + "overlap_10mbit_r10.json"],
+        lambda: pct(bpb(M + "overlap_10mbit_r10.json", "eager"), bpb(M + "overlap_10mbit_r10.json", "blocking")),
+    ),
     # README.md, "Further reading"
-    readme("DiLoCo against data parallel, Python docs, 60 rounds", r"DiLoCo ends ([+\-−][\d.]+)% of data parallel at 60 rounds",
-           [PYDOCS60], lambda: pct(quality_runs(PYDOCS60, "diloco")[0]["final_eval_bpb"], quality_runs(PYDOCS60, "ddp")[0]["final_eval_bpb"])),
+    readme(
+        "DiLoCo against data parallel, Python docs, 60 rounds",
+        r"DiLoCo ends ([+\-−][\d.]+)% of data parallel at 60 rounds",
+        [PYDOCS60],
+        lambda: pct(quality_runs(PYDOCS60, "diloco")[0]["final_eval_bpb"], quality_runs(PYDOCS60, "ddp")[0]["final_eval_bpb"]),
+    ),
     readme("H200 MFU, eager", r"MFU ([\d.]+)% eager", [H200], lambda: 100 * gpu("bench_base_bf16", "mfu")),
     readme("H200 MFU, compiled", r"([\d.]+)% compiled", [H200], lambda: 100 * gpu("bench_base_bf16_compile", "mfu")),
     # docs/results.md, "Headlines"
-    results("Blocking DiLoCo at 100 Mbit/s, 50 ms: compute utilization", [M + "overlap_100mbit_r10_tau7_ahead.json"],
-            lambda: utilization(M + "overlap_100mbit_r10_tau7_ahead.json", "blocking")),
-    results("Streaming at 100 Mbit/s, 50 ms: compute utilization", [M + "overlap_100mbit_r10_tau5_ahead.json"],
-            lambda: utilization(M + "overlap_100mbit_r10_tau5_ahead.json")),
+    results(
+        "Blocking DiLoCo at 100 Mbit/s, 50 ms: compute utilization",
+        [M + "overlap_100mbit_r10_tau7_ahead.json"],
+        lambda: utilization(M + "overlap_100mbit_r10_tau7_ahead.json", "blocking"),
+    ),
+    results(
+        "Streaming at 100 Mbit/s, 50 ms: compute utilization",
+        [M + "overlap_100mbit_r10_tau5_ahead.json"],
+        lambda: utilization(M + "overlap_100mbit_r10_tau5_ahead.json"),
+    ),
     results("Streaming at 100 Mbit/s, 50 ms: bpb against blocking", TAU5_AHEAD + list(BLOCKING_FILES), lambda: median_vs_blocking(TAU5_AHEAD)),
-    results("Blocking DiLoCo at 10 Mbit/s, 100 ms: compute utilization", [M + "overlap_10mbit_r10.json"],
-            lambda: utilization(M + "overlap_10mbit_r10.json", "blocking")),
+    results(
+        "Blocking DiLoCo at 10 Mbit/s, 100 ms: compute utilization",
+        [M + "overlap_10mbit_r10.json"],
+        lambda: utilization(M + "overlap_10mbit_r10.json", "blocking"),
+    ),
     results("Streaming at 10 Mbit/s, 100 ms: compute utilization", FREEZE_10MBIT, lambda: statistics.median(utilization(f) for f in FREEZE_10MBIT)),
     results("Streaming at 10 Mbit/s, 100 ms: bpb against blocking", FREEZE_SEEDS + list(BLOCKING_FILES), lambda: median_vs_blocking(FREEZE_SEEDS)),
-    results("Streaming over 30 rounds, `merge=delta`: bpb against blocking", [M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json", BLOCKING_R30],
-            lambda: pct(bpb(M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json"), bpb(BLOCKING_R30))),
-    results("Streaming over 30 rounds, `merge=ahead`: bpb against blocking", [M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json", BLOCKING_R30],
-            lambda: pct(bpb(M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json"), bpb(BLOCKING_R30))),
-    results("Eager at 10 Mbit/s, 100 ms: bpb against blocking", [M + "overlap_10mbit_r10.json"],
-            lambda: pct(bpb(M + "overlap_10mbit_r10.json", "eager"), bpb(M + "overlap_10mbit_r10.json", "blocking"))),
-    results("Striping, 200 Mbit/s, 100 ms, a 1 MiB window: 4 streams against 1", [M + "striping_200mbit_window1m.json"],
-            lambda: striping_speedup(M + "striping_200mbit_window1m.json", 4)),
-    results("Striping, 1 Gbit/s, 100 ms, a 2 MiB window: 8 streams against 1", [M + "striping_1gbit_window2m.json"],
-            lambda: striping_speedup(M + "striping_1gbit_window2m.json", 8)),
-    results("DiLoCo against data parallel, Python docs, 60 rounds", [PYDOCS60],
-            lambda: pct(quality_runs(PYDOCS60, "diloco")[0]["final_eval_bpb"], quality_runs(PYDOCS60, "ddp")[0]["final_eval_bpb"])),
+    results(
+        "Streaming over 30 rounds, `sync.merge=delta`: bpb against blocking",
+        [M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json", BLOCKING_R30],
+        lambda: pct(bpb(M + "overlap_r30_loopback_tau5_delta_int4down_balanced.json"), bpb(BLOCKING_R30)),
+    ),
+    results(
+        "Streaming over 30 rounds, `sync.merge=ahead`: bpb against blocking",
+        [M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json", BLOCKING_R30],
+        lambda: pct(bpb(M + "overlap_10mbit_r30_tau5_ahead_int4down_balanced.json"), bpb(BLOCKING_R30)),
+    ),
+    results(
+        "Eager at 10 Mbit/s, 100 ms: bpb against blocking",
+        [M + "overlap_10mbit_r10.json"],
+        lambda: pct(bpb(M + "overlap_10mbit_r10.json", "eager"), bpb(M + "overlap_10mbit_r10.json", "blocking")),
+    ),
+    results(
+        "Striping, 200 Mbit/s, 100 ms, a 1 MiB window: 4 streams against 1",
+        [M + "striping_200mbit_window1m.json"],
+        lambda: striping_speedup(M + "striping_200mbit_window1m.json", 4),
+    ),
+    results(
+        "Striping, 1 Gbit/s, 100 ms, a 2 MiB window: 8 streams against 1",
+        [M + "striping_1gbit_window2m.json"],
+        lambda: striping_speedup(M + "striping_1gbit_window2m.json", 8),
+    ),
+    results(
+        "DiLoCo against data parallel, Python docs, 60 rounds",
+        [PYDOCS60],
+        lambda: pct(quality_runs(PYDOCS60, "diloco")[0]["final_eval_bpb"], quality_runs(PYDOCS60, "ddp")[0]["final_eval_bpb"]),
+    ),
     results("DiLoCo, shipped corpus, 60 rounds: held-out bpb", [R60], lambda: quality_runs(R60, "diloco")[0]["final_eval_bpb"]),
     results("DiLoCo's bytes up per round (fp32, 4 sites, `model=tiny`)", [R60], lambda: bytes_per_round(R60, "diloco")),
     results("Data parallel's bytes per round over DiLoCo's", [PYDOCS60], lambda: bytes_per_round(PYDOCS60, "ddp") / bytes_per_round(PYDOCS60, "diloco")),
     results("The blocking sync's own time, this project", [SYNC], lambda: load(SYNC)["summary"]["ours"]["own_s"]["median"]),
     results("The blocking sync's own time, torchft 0.2.0", [SYNC], lambda: load(SYNC)["summary"]["torchft"]["own_s"]["median"]),
     results("Subnormal floats kept: step time over flushed, last third", [M + "flush_denormal.log"], lambda: flush_denormal_ratio(M + "flush_denormal.log")),
-    results("Watching a run (TensorBoard, /metrics, status page): wall time", [M + "observe_cost.json"],
-            lambda: 100 * (load(M + "observe_cost.json")["ratio_on_off"]["wall_s"] - 1)),
+    results(
+        "Watching a run (TensorBoard, /metrics, status page): wall time",
+        [M + "observe_cost.json"],
+        lambda: 100 * (load(M + "observe_cost.json")["ratio_on_off"]["wall_s"] - 1),
+    ),
     results("H200, `model=base` bf16: MFU, eager", [H200], lambda: 100 * gpu("bench_base_bf16", "mfu")),
     results("H200, `model=base` bf16: MFU, compiled", [H200], lambda: 100 * gpu("bench_base_bf16_compile", "mfu")),
-    results("H200: GPU memory the outer sync adds", [H200],
-            lambda: load(H200)["summary"]["bench_base_bf16"]["memory_site_minus_plain"]["sync_phase_peak_over_trained_allocated_mb"]),
+    results(
+        "H200: GPU memory the outer sync adds",
+        [H200],
+        lambda: load(H200)["summary"]["bench_base_bf16"]["memory_site_minus_plain"]["sync_phase_peak_over_trained_allocated_mb"],
+    ),
 ]
 
 
@@ -215,7 +286,9 @@ def as_written(written: str, value: float) -> str:
 def test_the_doc_states_what_its_result_file_gives(figure: Figure) -> None:
     text = (ROOT / figure.doc).read_text()
     found = re.search(figure.pattern, text)
-    assert found, f"{figure.doc}: the figure '{figure.name}' is no longer where the test looks for it ({figure.pattern!r}); update tests/unit/test_docs_figures.py with the doc"
+    assert found, (
+        f"{figure.doc}: the figure '{figure.name}' is no longer where the test looks for it ({figure.pattern!r}); update tests/unit/test_docs_figures.py with the doc"
+    )
     number = NUMBER.search(found[1])
     assert number, f"{figure.doc}: '{figure.name}' holds no number: {found[1]!r}"
     written = number[0]

@@ -33,10 +33,10 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 OUTER = [
-    OuterConfig(name="SGD", lr=0.7, momentum=0.9, nesterov=True, auto=False),
-    OuterConfig(name="SGD", lr=0.5, momentum=0.5, nesterov=False, auto=False),
-    OuterConfig(name="SGD", lr=1.0, momentum=0.9, nesterov=True, momentum_warmup=4, lr_decay="cosine", lr_min_ratio=0.1, auto=False),
-    OuterConfig(name="SGD", lr=0.7, momentum=0.0, nesterov=False, auto=False),
+    OuterConfig(name="SGD", lr=0.7, momentum=0.9, nesterov=True),
+    OuterConfig(name="SGD", lr=0.5, momentum=0.5, nesterov=False),
+    OuterConfig(name="SGD", lr=1.0, momentum=0.9, nesterov=True, momentum_warmup=4, lr_decay="cosine", lr_min_ratio=0.1),
+    OuterConfig(name="SGD", lr=0.7, momentum=0.0, nesterov=False),
 ]
 IDS = ["nesterov", "heavy-ball", "rule-like-schedule", "no-momentum"]
 
@@ -105,7 +105,7 @@ def test_weight_zero_looks_ahead_by_the_momentum_alone(cfg: OuterConfig) -> None
 
 
 def test_a_missed_update_leaves_the_buffer_to_the_momentum() -> None:
-    cfg = OuterConfig(name="SGD", lr=1.0, momentum=0.5, nesterov=False, auto=False)
+    cfg = OuterConfig(name="SGD", lr=1.0, momentum=0.5, nesterov=False)
     eager = EagerStart(cfg, ROUNDS, weight=1.0)
     d0, d2 = _deltas(2)
     eager.offset(0, d0)
@@ -118,10 +118,10 @@ def test_a_missed_update_leaves_the_buffer_to_the_momentum() -> None:
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        (OuterConfig(name="Adam", lr=0.1, auto=False), "needs outer.name=SGD .this run has outer.name=Adam"),
-        (OuterConfig(name="DelayedNesterov", lr=0.7, auto=False), "outer.name=DelayedNesterov"),
-        (OuterConfig(name="SGD", lr=0.7, kwargs={"weight_decay": 0.1}, auto=False), "outer.kwargs.weight_decay=0.1"),
-        (OuterConfig(name="SGD", lr=0.7, kwargs={"dampening": 0.1}, auto=False), "outer.kwargs.dampening=0.1"),
+        (OuterConfig(name="Adam", lr=0.1), "needs outer.name=SGD .this run has outer.name=Adam"),
+        (OuterConfig(name="DelayedNesterov", lr=0.7), "outer.name=DelayedNesterov"),
+        (OuterConfig(name="SGD", lr=0.7, kwargs={"weight_decay": 0.1}), "outer.kwargs.weight_decay=0.1"),
+        (OuterConfig(name="SGD", lr=0.7, kwargs={"dampening": 0.1}), "outer.kwargs.dampening=0.1"),
     ],
 )
 def test_an_outer_step_the_look_ahead_cannot_follow_is_refused_naming_it(cfg: OuterConfig, match: str) -> None:
@@ -134,4 +134,4 @@ def test_an_outer_step_the_look_ahead_cannot_follow_is_refused_naming_it(cfg: Ou
 @pytest.mark.parametrize("weight", [-0.1, 1.5])
 def test_a_weight_outside_zero_to_one_is_refused(weight: float) -> None:
     with pytest.raises(ValueError, match=f"eager weight={weight}"):
-        EagerStart(OuterConfig(auto=False), 3, weight=weight)
+        EagerStart(OuterConfig(), 3, weight=weight)

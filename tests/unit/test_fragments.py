@@ -9,7 +9,7 @@ import torch
 from diloco.app.config import ConfigError, run_config_from_dict
 from diloco.model import build_model, model_config
 from diloco.outer.fragments import describe, fragment_of_round, layer_of, split_fragments
-from diloco.site.overlap import SyncSchedule
+from diloco.sync import SyncConfig, SyncSchedule
 
 
 def _shapes(model_name: str = "tiny", **kw: int) -> dict[str, tuple[int, ...]]:
@@ -46,7 +46,7 @@ def test_one_fragment_is_every_name_and_round_r_syncs_r_mod_f() -> None:
 
 
 @pytest.mark.parametrize(
-    "fragments, why", [(0, "fragments=0: must be an integer >= 1"), (4, "fragments=4: the model has only 3 layer(s)"), (True, "fragments=True")]
+    "fragments, why", [(0, "sync.fragments=0: must be an integer >= 1"), (4, "sync.fragments=4: the model has only 3 layer(s)"), (True, "sync.fragments=True")]
 )
 def test_bad_fragment_counts_are_refused(fragments: object, why: str) -> None:
     with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
@@ -78,7 +78,7 @@ def test_balanced_fragments_by_hand() -> None:
 
 @pytest.mark.parametrize(
     "fragments, how, why",
-    [(6, "balanced", "fragments=6: the model has only 5 tensor(s)"), (2, "random", "fragment_split='random': must be one of strided, balanced")],
+    [(6, "balanced", "sync.fragments=6: the model has only 5 tensor(s)"), (2, "random", "sync.split='random': must be one of strided, balanced")],
 )
 def test_bad_balanced_splits_are_refused(fragments: int, how: str, why: str) -> None:
     shapes = {"blocks.0.a": (6,), "blocks.0.b": (5,), "blocks.1.a": (4,), "blocks.1.b": (3,), "emb": (2,)}
@@ -87,62 +87,63 @@ def test_bad_balanced_splits_are_refused(fragments: int, how: str, why: str) -> 
 
 
 @pytest.mark.parametrize(
-    "schedule, field",
+    "sync, field",
     [
-        (SyncSchedule(sync_every=50, fragments=3), "sync_every=50 is not divisible by fragments=3"),
-        (SyncSchedule(sync_every=50, fragments=5, overlap_steps=10), "overlap_steps=10: must be below sync_every/fragments = 10"),
-        (SyncSchedule(sync_every=50, overlap_steps=-1), "overlap_steps=-1"),
-        (SyncSchedule(sync_every=50, outer_mode="lazy"), "outer_mode='lazy'"),
-        (SyncSchedule(sync_every=50, fragments=2, outer_mode="eager"), "outer_mode=eager overlaps the whole sync"),
-        (SyncSchedule(sync_every=50, overlap_steps=3, outer_mode="delayed"), "outer_mode=delayed overlaps the whole sync"),
-        (SyncSchedule(sync_every=0), "sync_every=0"),
+        ({"every": 50, "fragments": 3}, "sync.every=50 is not divisible by sync.fragments=3"),
+        ({"every": 50, "fragments": 5, "overlap": 10}, "sync.overlap=10: must be below sync.every/sync.fragments = 10"),
+        ({"every": 50, "overlap": -1}, "sync.overlap=-1"),
+        ({"every": 50, "mode": "lazy"}, "sync.mode='lazy'"),
+        ({"every": 50, "fragments": 2, "mode": "eager"}, "sync.mode=eager overlaps the whole sync"),
+        ({"every": 50, "overlap": 3, "mode": "delayed"}, "sync.mode=delayed overlaps the whole sync"),
+        ({"every": 0}, "sync.every=0"),
     ],
 )
-def test_the_schedule_names_what_cannot_work(schedule: SyncSchedule, field: str) -> None:
-    why = schedule.problem()
-    assert why is not None and field in why
+def test_the_sync_section_names_what_cannot_work(sync: dict, field: str) -> None:
+    with pytest.raises(ValueError) as e:
+        SyncConfig(**sync)
+    assert field in str(e.value)
 
 
 def test_the_schedule_of_each_mode() -> None:
-    assert SyncSchedule(50).mode == "blocking" and not SyncSchedule(50).overlapped
-    s = SyncSchedule(50, fragments=5, overlap_steps=3)
-    assert (s.mode, s.round_steps, s.land_after, s.overlapped) == ("streaming", 10, 3, True)
-    e = SyncSchedule(50, outer_mode="eager")
-    assert (e.mode, e.round_steps, e.land_after, e.overlapped) == ("eager", 50, None, True)
+    assert SyncSchedule(SyncConfig()).label == "blocking" and not SyncSchedule(SyncConfig()).overlapped
+    s = SyncSchedule(SyncConfig(fragments=5, overlap=3))
+    assert (s.label, s.round_steps, s.land_after, s.overlapped) == ("streaming", 10, 3, True)
+    e = SyncSchedule(SyncConfig(mode="eager"))
+    assert (e.label, e.round_steps, e.land_after, e.overlapped) == ("eager", 50, None, True)
 
 
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ({"sync_every": 10, "fragments": 3}, "sync_every=10 is not divisible by fragments=3"),
-        ({"sync_every": 10, "fragments": 2, "overlap_steps": 5}, "overlap_steps=5: must be below"),
-        ({"overlap_steps": 2, "alpha": 1.5}, "alpha=1.5: must be a number in [0, 1]"),
-        ({"alpha": -0.1}, "alpha=-0.1"),
-        ({"merge": "average"}, "merge='average': must be alpha"),
-        ({"streams": 0}, "streams=0: must be an integer in 1..64"),
-        ({"outer_mode": "eager", "fragments": 2}, "outer_mode=eager overlaps the whole sync"),
+        ({"sync": {"every": 10, "fragments": 3}}, "sync.every=10 is not divisible by sync.fragments=3"),
+        ({"sync": {"every": 10, "fragments": 2, "overlap": 5}}, "sync.overlap=5: must be below"),
+        ({"sync": {"overlap": 2, "local_weight": 1.5}}, "sync.local_weight=1.5: must be null (0.5 with overlap, else 0) or a number in [0, 1]"),
+        ({"sync": {"local_weight": -0.1}}, "sync.local_weight=-0.1"),
+        ({"sync": {"merge": "average"}}, "sync.merge='average': must be one of mix, delta, ahead"),
+        ({"sync": {"streams": 0}}, "sync.streams=0: must be an integer in 1..64"),
+        ({"sync": {"mode": "eager", "fragments": 2}}, "sync.mode=eager overlaps the whole sync"),
         (
-            {"outer_mode": "eager", "outer": {"name": "Adam", "lr": 0.01}},
-            "outer_mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name=Adam)",
+            {"outer": {"name": "Adam", "lr": 0.01}, "sync": {"mode": "eager"}},
+            "sync.mode=eager follows the outer step's momentum from the updates: it needs outer.name=SGD (this run has outer.name=Adam)",
         ),
-        ({"outer_mode": "eager", "outer": {"kwargs": {"weight_decay": 0.1}}}, "outer.kwargs.weight_decay=0.1"),
-        ({"outer_mode": "eager", "eager_weight": -0.5}, "eager_weight=-0.5: must be null (eager 0.5, ahead 0) or a number in [0, 1]"),
+        ({"outer": {"kwargs": {"weight_decay": 0.1}}, "sync": {"mode": "eager"}}, "outer.kwargs.weight_decay=0.1"),
+        ({"sync": {"mode": "eager", "lookahead_weight": -0.5}}, "sync.lookahead_weight=-0.5: must be null (eager 0.5, ahead 0) or a number in [0, 1]"),
         (
-            {"fragments": 2, "overlap_steps": 1, "merge": "ahead", "outer": {"name": "Adam", "lr": 0.01}},
-            "merge=ahead follows the outer step's momentum from the updates: it needs outer.name=SGD",
+            {"outer": {"name": "Adam", "lr": 0.01}, "sync": {"fragments": 2, "overlap": 1, "merge": "ahead"}},
+            "sync.merge=ahead follows the outer step's momentum from the updates: it needs outer.name=SGD",
         ),
-        ({"merge": "ahead", "outer_mode": "delayed"}, "merge=ahead looks ahead of a fragment's round"),
-        ({"outer_mode": "eager", "eager_weight": 1.5}, "eager_weight=1.5"),
+        ({"sync": {"merge": "ahead", "mode": "delayed"}}, "sync.merge=ahead looks ahead of a fragment's round"),
+        ({"sync": {"mode": "eager", "lookahead_weight": 1.5}}, "sync.lookahead_weight=1.5"),
         (
-            {"outer_mode": "delayed", "eager_weight": 0.5},
-            "eager_weight=0.5: only for outer_mode=eager or merge=ahead (this run has outer_mode=delayed, merge=alpha)",
+            {"sync": {"mode": "delayed", "lookahead_weight": 0.5}},
+            "sync.lookahead_weight=0.5: only for sync.mode=eager or sync.merge=ahead (this run has mode=delayed, merge=mix)",
         ),
-        ({"fragments": 2, "quorum": {"late": "merge"}}, "fragments=2 cannot be combined with quorum.late=merge"),
-        ({"fragments": 2, "robust": {"norm_ratio": 3}}, "fragments=2 cannot be combined with robust.norm_ratio"),
-        ({"fragments": 2, "guard": {"factor": 3}}, "fragments=2 cannot be combined with guard.factor"),
-        ({"fragments": 2, "fragment_end": "drop"}, "fragment_end='drop': must be one of flush, freeze"),
-        ({"fragments": 2, "fragment_split": "layers"}, "fragment_split='layers': must be one of strided, balanced"),
-        ({"fragment_end": "freeze"}, "fragment_end=freeze stops each fragment at its last push: it needs fragments > 1"),
+        ({"quorum": {"late": "merge"}, "sync": {"fragments": 2}}, "sync.fragments=2 cannot be combined with quorum.late=merge"),
+        ({"robust": {"norm_ratio": 3}, "sync": {"fragments": 2}}, "sync.fragments=2 cannot be combined with robust.norm_ratio"),
+        ({"guard": {"factor": 3}, "sync": {"fragments": 2}}, "sync.fragments=2 cannot be combined with guard.factor"),
+        ({"sync": {"fragments": 2, "end": "drop"}}, "sync.end='drop': must be one of flush, freeze"),
+        ({"sync": {"fragments": 2, "split": "layers"}}, "sync.split='layers': must be one of strided, balanced"),
+        ({"sync": {"end": "freeze"}}, "sync.end=freeze stops each fragment at its last push: it needs sync.fragments > 1"),
     ],
 )
 def test_the_run_config_refuses_what_streaming_cannot_do(overrides: dict, field: str) -> None:
@@ -151,14 +152,14 @@ def test_the_run_config_refuses_what_streaming_cannot_do(overrides: dict, field:
     assert field in str(e.value)
 
 
-def test_alpha_defaults_to_a_half_with_overlap_and_to_replacing_without() -> None:
-    assert run_config_from_dict({}).alpha == 0.0
-    cfg = run_config_from_dict({"sync_every": 10, "fragments": 2, "overlap_steps": 2})
-    assert cfg.alpha == 0.5 and cfg.schedule.round_steps == 5
+def test_the_local_weight_defaults_to_a_half_with_overlap_and_to_replacing_without() -> None:
+    assert run_config_from_dict({}).sync.local_weight == 0.0
+    cfg = run_config_from_dict({"sync": {"every": 10, "fragments": 2, "overlap": 2}})
+    assert cfg.sync.local_weight == 0.5 and cfg.schedule.round_steps == 5
 
 
 def test_fragments_add_flush_rounds_so_every_step_reaches_theta() -> None:
-    cfg = run_config_from_dict({"sync_every": 12, "fragments": 3, "rounds": 2})
+    cfg = run_config_from_dict({"rounds": 2, "sync": {"every": 12, "fragments": 3}})
     # 2 x 3 rounds of 4 steps, then fragments 0 and 1 push what they trained since their last sync
     assert cfg.sync_rounds == 2 * 3 + 2
     assert [cfg.schedule.steps_of(r) for r in range(cfg.sync_rounds)] == [4] * 6 + [0, 0]
@@ -173,16 +174,16 @@ def test_fragments_add_flush_rounds_so_every_step_reaches_theta() -> None:
 def test_frozen_fragments_need_no_flush_rounds() -> None:
     from diloco.app.coordinator import CoordinatorOptions, coordinator_config
 
-    cfg = run_config_from_dict({"sync_every": 12, "fragments": 3, "rounds": 2, "fragment_end": "freeze"})
+    cfg = run_config_from_dict({"rounds": 2, "sync": {"every": 12, "fragments": 3, "end": "freeze"}})
     assert cfg.sync_rounds == 2 * 3 and [cfg.schedule.steps_of(r) for r in range(6)] == [4] * 6
     assert [cfg.schedule.frozen_after(r) for r in range(6)] == [False] * 3 + [True] * 3  # each fragment's last round
     coordinator = coordinator_config(cfg, CoordinatorOptions(), "model", True)
     assert coordinator.flush_rounds == 0 and coordinator.frozen_end
-    assert not any(run_config_from_dict({"sync_every": 12, "fragments": 3, "rounds": 2}).schedule.frozen_after(r) for r in range(8))
+    assert not any(run_config_from_dict({"rounds": 2, "sync": {"every": 12, "fragments": 3}}).schedule.frozen_after(r) for r in range(8))
 
 
 def test_more_fragments_than_layers_is_refused_before_any_process_starts() -> None:
     from diloco.sim.sections import check_before_start
 
-    with pytest.raises(ConfigError, match="fragments=4: the model has only 3 layer"):
-        check_before_start(run_config_from_dict({"sync_every": 8, "fragments": 4}))
+    with pytest.raises(ConfigError, match="sync.fragments=4: the model has only 3 layer"):
+        check_before_start(run_config_from_dict({"sync": {"every": 8, "fragments": 4}}))

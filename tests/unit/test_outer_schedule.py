@@ -13,7 +13,7 @@ from diloco.app.config import ConfigError, run_config_from_dict
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.outer import OuterConfig, OuterOptimizer, OuterSchedule, averaged_from
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -60,9 +60,7 @@ def test_flush_rounds_average_into_theta_without_the_outer_step() -> None:
     # momentum 0.9, the mean Δ is 1 every round. w: buf 1, w = −0.5; buf 1.9, w = −1.45; then
     # the flush averages: w = −1.45 − 1 = −2.45, its buffer left at 1.9 (an outer step would
     # have moved w by 0.5·(0.9·1.9 + 1) = 1.355 and the buffer to 2.71).
-    outer = OuterOptimizer(
-        {"w": torch.zeros(1), "v": torch.zeros(1)}, OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False), steps=3, fragments=2, average_from=4
-    )
+    outer = OuterOptimizer({"w": torch.zeros(1), "v": torch.zeros(1)}, OuterConfig(lr=0.5, momentum=0.9, nesterov=False), steps=3, fragments=2, average_from=4)
     for r, name in enumerate(["w", "v", "w", "v", "w"]):
         update = outer.step({name: torch.ones(1)}, round=r)
     assert float(update["w"]) == -1.0 and float(outer.params["w"]) == pytest.approx(-2.45)
@@ -78,12 +76,12 @@ def test_final_average_ends_each_parameter_on_an_average(fragments: int, flush: 
     # w v w v w v, then a flush round for w): v's third round is the last of training and
     # averages; w's third is a step (−2.805), and its flush round averages after it. Frozen
     # fragments (no flush round): each fragment's third round is its last, and both average.
-    cfg = OuterConfig(lr=0.5, momentum=0.9, nesterov=False, auto=False, final_average=True)
+    cfg = OuterConfig(lr=0.5, momentum=0.9, nesterov=False, final_average=True)
     w, v = "blocks.0.w", "blocks.1.w"  # numbered layers: fragments=2 puts one in each
     theta = {w: torch.zeros(1), v: torch.zeros(1)}
     trained = 3 * fragments
     coord = Coordinator(theta, cfg, CoordinatorConfig(total_rounds=trained + flush, fragments=fragments, flush_rounds=flush, frozen_end=frozen))
-    coord.join("a", fingerprint(theta).values(), fragments=fragments)
+    coord.join(JoinRequest("a", tuple(fingerprint(theta).values())))
     names = [[w, v]] * 3 if fragments == 1 else [[w], [v]] * 3 + [[w]] * flush
     for r, pushed in enumerate(names):
         delta = {n: torch.ones(1) for n in pushed}
@@ -148,7 +146,7 @@ def test_a_schedule_needs_the_runs_length_and_each_steps_round() -> None:
         ({"lr": float("nan")}, "outer.lr=nan: must be a finite number > 0"),
         ({"lr": -0.1}, "outer.lr=-0.1: must be a finite number > 0"),
         ({"momentum": -0.5}, "outer.momentum=-0.5: must be a finite number >= 0"),
-        ({"name": "Adam", "momentum_warmup": 2}, "outer.momentum_warmup=2: only for SGD and DelayedNesterov"),
+        ({"name": "Adam", "lr": 0.1, "momentum_warmup": 2}, "outer.momentum_warmup=2: only for SGD and DelayedNesterov"),
         ({"lr_warmup": 11}, "outer.lr_warmup=11: longer than the run's 10 outer steps"),
         ({"momentum_warmup": 12}, "outer.momentum_warmup=12: longer than the run's 10 outer steps"),
     ],
@@ -160,4 +158,4 @@ def test_bad_schedules_are_refused_before_any_process_naming_the_field(outer: di
 
 def test_a_warmup_as_long_as_the_run_is_fine() -> None:
     cfg = run_config_from_dict({"rounds": 10, "outer": {"lr_warmup": 10, "momentum_warmup": 10, "lr_decay": "linear"}})
-    assert cfg.outer.schedule == OuterSchedule(lr_warmup=10, lr_decay="linear", momentum_warmup=10)
+    assert cfg.outer_step.schedule == OuterSchedule(lr_warmup=10, lr_decay="linear", momentum_warmup=10)

@@ -40,7 +40,7 @@ def _write_run(run_dir: Path, lines: list[MetricsLine], faults: list[dict[str, A
         records.append_metrics(run_dir / "metrics.jsonl", line)
     with open(run_dir / "faults.jsonl", "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in faults)
-    (run_dir / "config.json").write_text(json.dumps({"mode": mode, "sites": len(SITES), "sync_every": 10, "codec": {"name": "fp32"}}))
+    (run_dir / "config.json").write_text(json.dumps({"mode": mode, "sites": len(SITES), "codec": {"name": "fp32"}, "sync": {"every": 10}}))
     for s in SITES:
         w = WorkerRecord(
             site_id=s, shard=int(s), rounds=len(lines), tokens=0, inner_steps=0, bytes_up=0, bytes_down=0, global_sha256="", wall_s=1.0, peak_rss_mb=1.0,

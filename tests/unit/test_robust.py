@@ -43,7 +43,6 @@ def _aggregate(pushes: list[dict[str, torch.Tensor]], how: str, trim: float = 0.
         ("window", 2.5, r"robust\.window=2\.5: must be an integer"),
         ("min_history", 0, r"robust\.min_history=0: must be an integer in \[1, robust\.window=16\]"),
         ("min_history", 17, r"robust\.min_history=17: must be"),
-        ("aggregate", "nonzero", r"robust\.aggregate='nonzero': must be one of mean, trimmed_mean, median"),
         ("trim", 0.5, r"robust\.trim=0\.5: must be a number in \[0, 0\.5\)"),
         ("trim", -0.1, r"robust\.trim=-0\.1: must be"),
     ],
@@ -55,7 +54,7 @@ def test_config_errors_name_the_field_and_value(field: str, value: object, match
 
 def test_config_defaults_are_off_and_ints_become_floats() -> None:
     cfg = RobustConfig()
-    assert (cfg.norm_ratio, cfg.aggregate) == (0.0, "mean")
+    assert (cfg.norm_ratio, cfg.action) == (0.0, "reject")
     cfg = RobustConfig(norm_ratio=3, trim=0)
     assert isinstance(cfg.norm_ratio, float) and cfg.norm_ratio == 3.0
     assert isinstance(cfg.trim, float)
@@ -64,7 +63,7 @@ def test_config_defaults_are_off_and_ints_become_floats() -> None:
 def test_robust_config_from_a_mapping_names_unknown_keys() -> None:
     assert robust_config(None) == RobustConfig()
     assert robust_config({"norm_ratio": 4.0, "action": "clip"}) == RobustConfig(norm_ratio=4.0, action="clip")
-    with pytest.raises(ValueError, match=r"unknown robust key\(s\) ratio, windw; known: action, aggregate"):
+    with pytest.raises(ValueError, match=r"unknown robust key\(s\) ratio, windw; known: action, min_history"):
         robust_config({"ratio": 2.0, "windw": 3})
     with pytest.raises(ValueError, match="robust: must be a mapping"):
         robust_config("median")  # type: ignore[arg-type]
@@ -257,14 +256,13 @@ def test_push_is_copied_and_weights_summed() -> None:
 
 
 def test_make_aggregate_picks_the_accumulator() -> None:
-    assert isinstance(make_aggregate(SHAPES, "mean", RobustConfig()), WeightedMean)
-    assert isinstance(make_aggregate(SHAPES, "nonzero", RobustConfig()), WeightedMean)
-    acc = make_aggregate(SHAPES, "mean", RobustConfig(aggregate="trimmed_mean", trim=0.1))
+    assert isinstance(make_aggregate(SHAPES, "mean"), WeightedMean)
+    assert isinstance(make_aggregate(SHAPES, "nonzero"), WeightedMean)
+    acc = make_aggregate(SHAPES, "trimmed_mean", 0.1)
     assert isinstance(acc, StackedAggregate) and (acc.how, acc.trim) == ("trimmed_mean", 0.1)
-    with pytest.raises(ValueError, match=r"aggregate='nonzero' with robust\.aggregate='median'"):
-        make_aggregate(SHAPES, "nonzero", RobustConfig(aggregate="median"))
-    with pytest.raises(ValueError, match="aggregate='sum'"):
-        make_aggregate(SHAPES, "sum", RobustConfig())
+    assert isinstance(make_aggregate(SHAPES, "median"), StackedAggregate)
+    with pytest.raises(ValueError, match="aggregate='sum': must be one of mean, nonzero, trimmed_mean, median"):
+        make_aggregate(SHAPES, "sum")
 
 
 def test_stacked_bytes() -> None:

@@ -11,7 +11,7 @@ from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, RobustConfig
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -20,10 +20,10 @@ THETA = {"w": torch.zeros(8)}
 SGD = OuterConfig(name="SGD", lr=1.0, momentum=0.0, nesterov=False)
 
 
-def _coord(robust: RobustConfig, sites: int = 4, rounds: int = 3) -> Coordinator:
-    c = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=rounds, min_sites=sites, robust=robust))
+def _coord(robust: RobustConfig, sites: int = 4, rounds: int = 3, aggregate: str = "mean") -> Coordinator:
+    c = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=rounds, min_sites=sites, robust=robust, aggregate=aggregate))
     for s in range(sites):
-        c.join(str(s), fingerprint(THETA).values())
+        c.join(JoinRequest(str(s), tuple(fingerprint(THETA).values())))
     return c
 
 
@@ -61,7 +61,7 @@ def test_clip_scales_the_push_down_to_the_bound() -> None:
 
 @pytest.mark.parametrize("how", ["median", "trimmed_mean"])
 def test_a_robust_aggregate_ignores_one_absurd_push(how: str) -> None:
-    c = _coord(RobustConfig(aggregate=how, trim=0.25))
+    c = _coord(RobustConfig(trim=0.25), aggregate=how)
     for s, v in enumerate([0.1, 0.1, 0.1, 1e30]):
         _push(c, s, 0, v)
     torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))

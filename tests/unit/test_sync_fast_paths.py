@@ -25,7 +25,7 @@ from diloco.coordinator.commit import UpdateEncoder
 from diloco.outer import OuterConfig, OuterOptimizer, OuterStepRefused, WeightedMean, check_update
 from diloco.transport import serde
 from diloco.transport.pb import coordinator_pb2 as pb
-from diloco.types import Chunk, PushHeader
+from diloco.types import Chunk, JoinRequest, PushHeader
 from diloco.wire import ChunkAssembler, all_finite, encode_chunks, fingerprint
 
 pytestmark = pytest.mark.timeout(60)
@@ -352,7 +352,7 @@ def test_the_coordinator_times_each_commit_and_names_the_push_that_closed_it(tmp
     theta = {"w": torch.ones(3, 4), "b": torch.zeros(4)}
     coord = Coordinator(theta, OuterConfig(), CoordinatorConfig(total_rounds=2, min_sites=2, checkpoint_dir=str(tmp_path)))
     for s in ("a", "b"):
-        coord.join(s, fingerprint(theta).values())
+        coord.join(JoinRequest(s, tuple(fingerprint(theta).values())))
     for s in ("a", "b"):
         delta = {n: torch.full_like(p, 0.01) for n, p in theta.items()}
         coord.push(PushHeader(site_id=s, round=0, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
@@ -445,7 +445,7 @@ def test_the_coordinator_takes_bundled_pushes_and_serves_bundled_pulls(tmp_path:
     site = {n: t.clone() for n, t in theta.items()}
     for coord in coords:
         for s in ("a", "b"):
-            coord.join(s, specs.values())
+            coord.join(JoinRequest(s, tuple(specs.values())))
     for r in range(3):
         for i, s in enumerate(("a", "b")):
             g = _g(10 * r + i)

@@ -14,7 +14,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig
-from diloco.types import PushHeader
+from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -27,7 +27,7 @@ def _coord(sites: int = 4, rounds: int = 3, min_sites: int | None = None, withhe
     cfg = CoordinatorConfig(total_rounds=rounds, min_sites=min_sites or sites, quorum=QuorumConfig(withheld=withheld), aggregate=aggregate)
     c = Coordinator(THETA, NESTEROV, cfg)
     for s in range(sites):
-        c.join(str(s), fingerprint(THETA).values())
+        c.join(JoinRequest(str(s), tuple(fingerprint(THETA).values())))
     records: list = []
     c.on_commit.append(records.append)
     return c, records

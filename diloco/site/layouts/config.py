@@ -7,15 +7,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from diloco.fields import setting
+
 # name -> ranks (torchrun --nproc-per-node) the layout needs
 LAYOUT_RANKS = {"single": 1, "ddp2": 2, "fsdp2": 2, "tp2": 2, "pp2": 2, "tp2_fsdp2": 4}
 
 
 @dataclass(frozen=True)
 class LayoutConfig:
-    name: str = "single"
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    microbatches: int = 2  # pipeline layouts: microbatches per step (data.batch_size must be a multiple)
+    """How a site spreads its model over its ranks (the config group ``layout``, conf/layout)."""
+
+    name: str = setting(
+        "single", doc="single (one rank) | ddp2 | fsdp2 | tp2 | pp2 (2 ranks each) | tp2_fsdp2 (4 ranks: tp2 in each pair, FSDP2 across the pairs)"
+    )
+    activation_checkpointing: bool = setting(False, doc="recompute each block's activations in backward (the built-in transformer only)")
+    microbatches: int = setting(2, doc="pipeline layouts (pp2): microbatches per step (data.batch_size must be a multiple); the others ignore it")
 
     def __post_init__(self) -> None:
         if self.name not in LAYOUT_RANKS:

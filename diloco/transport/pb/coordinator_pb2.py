@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%diloco/transport/pb/coordinator.proto\x12\tdiloco.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa7\x01\n\x0bJoinRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12%\n\x06params\x18\x02 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12\x12\n\ncan_upload\x18\x03 \x01(\x08\x12\x12\n\nsync_every\x18\x04 \x01(\x03\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x11\n\tfragments\x18\x06 \x01(\x03\x12\x16\n\x0e\x66ragment_split\x18\x07 \x01(\t\"q\n\tJoinReply\x12\x14\n\x0ctotal_rounds\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x13\n\x0bupload_init\x18\x05 \x01(\x08\x12\x12\n\neval_every\x18\x06 \x01(\x03J\x04\x08\x01\x10\x02\"\xa4\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x11\n\tbox_start\x18\t \x03(\x03\x12\x11\n\tbox_shape\x18\n \x03(\x03J\x04\x08\x08\x10\t\"\xd0\x01\n\nPushHeader\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x12\n\ntrain_loss\x18\x04 \x01(\x01\x12\x13\n\x0binner_steps\x18\x05 \x01(\x03\x12\x0c\n\x04part\x18\x06 \x01(\x05\x12\r\n\x05parts\x18\x07 \x01(\x05\x12\x11\n\teval_loss\x18\x08 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\t \x01(\x03\x12\x12\n\neval_round\x18\n \x01(\x03\x12\x10\n\x08withheld\x18\x0b \x01(\t\"g\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bmerged_into\x18\x05 \x01(\x03\x12\x0f\n\x07refused\x18\x06 \x01(\t\x12\x0f\n\x07\x63lipped\x18\x07 \x01(\t\"@\n\x0bWaitRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"Z\n\x0bRoundStatus\x12\x18\n\x10\x63ommitted_rounds\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x03 \x01(\x03\x12\x15\n\rglobal_sha256\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03\"\x96\x01\n\rGlobalMessage\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x16.diloco.v1.RoundStatusH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x12*\n\x08momentum\x18\x03 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"v\n\x0bPullRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\"\n\x04want\x18\x03 \x03(\x0b\x32\x14.diloco.v1.TensorBox\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x13\n\x0bouter_state\x18\x05 \x01(\x08\"7\n\tTensorBox\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x03(\x03\x12\r\n\x05shape\x18\x03 \x03(\x03\"r\n\x0cLeaveRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x15\n\rglobal_sha256\x18\x02 \x01(\t\x12\x11\n\teval_loss\x18\x03 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\x04 \x01(\x03\x12\x12\n\neval_round\x18\x05 \x01(\x03\"\x0c\n\nLeaveReply\"#\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t2\xf8\x03\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12<\n\nUploadInit\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tPushDelta\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tWaitRound\x12\x16.diloco.v1.WaitRequest\x1a\x16.diloco.v1.RoundStatus\x12>\n\nPullUpdate\x12\x16.diloco.v1.PullRequest\x1a\x16.diloco.v1.TensorChunk0\x01\x12@\n\nPullGlobal\x12\x16.diloco.v1.PullRequest\x1a\x18.diloco.v1.GlobalMessage0\x01\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12@\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x16.diloco.v1.RoundStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%diloco/transport/pb/coordinator.proto\x12\tdiloco.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"o\n\x0bJoinRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12%\n\x06params\x18\x02 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12\x12\n\ncan_upload\x18\x03 \x01(\x08\x12\x0e\n\x06stated\x18\x08 \x01(\tJ\x04\x08\x04\x10\x08\"\x19\n\x08\x46ragment\x12\r\n\x05names\x18\x01 \x03(\t\"\xab\x01\n\tJoinReply\x12\x14\n\x0ctotal_rounds\x18\x02 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x13\n\x0bupload_init\x18\x05 \x01(\x08\x12\x12\n\neval_every\x18\x06 \x01(\x03\x12\x10\n\x08settings\x18\x07 \x01(\t\x12&\n\tfragments\x18\x08 \x03(\x0b\x32\x13.diloco.v1.FragmentJ\x04\x08\x01\x10\x02\"\xa4\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x11\n\tbox_start\x18\t \x03(\x03\x12\x11\n\tbox_shape\x18\n \x03(\x03J\x04\x08\x08\x10\t\"\xd0\x01\n\nPushHeader\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x12\n\ntrain_loss\x18\x04 \x01(\x01\x12\x13\n\x0binner_steps\x18\x05 \x01(\x03\x12\x0c\n\x04part\x18\x06 \x01(\x05\x12\r\n\x05parts\x18\x07 \x01(\x05\x12\x11\n\teval_loss\x18\x08 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\t \x01(\x03\x12\x12\n\neval_round\x18\n \x01(\x03\x12\x10\n\x08withheld\x18\x0b \x01(\t\"g\n\x0bPushMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x8d\x01\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bmerged_into\x18\x05 \x01(\x03\x12\x0f\n\x07refused\x18\x06 \x01(\t\x12\x0f\n\x07\x63lipped\x18\x07 \x01(\t\"@\n\x0bWaitRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"Z\n\x0bRoundStatus\x12\x18\n\x10\x63ommitted_rounds\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_rounds\x18\x03 \x01(\x03\x12\x15\n\rglobal_sha256\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03\"\x96\x01\n\rGlobalMessage\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x16.diloco.v1.RoundStatusH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x12*\n\x08momentum\x18\x03 \x01(\x0b\x32\x16.diloco.v1.TensorChunkH\x00\x42\x06\n\x04kind\"v\n\x0bPullRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\"\n\x04want\x18\x03 \x03(\x0b\x32\x14.diloco.v1.TensorBox\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x13\n\x0bouter_state\x18\x05 \x01(\x08\"7\n\tTensorBox\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x03(\x03\x12\r\n\x05shape\x18\x03 \x03(\x03\"r\n\x0cLeaveRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x15\n\rglobal_sha256\x18\x02 \x01(\t\x12\x11\n\teval_loss\x18\x03 \x01(\x01\x12\x13\n\x0b\x65val_tokens\x18\x04 \x01(\x03\x12\x12\n\neval_round\x18\x05 \x01(\x03\"\x0c\n\nLeaveReply\"#\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t2\xf8\x03\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12<\n\nUploadInit\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tPushDelta\x12\x16.diloco.v1.PushMessage\x1a\x14.diloco.v1.PushReply(\x01\x12;\n\tWaitRound\x12\x16.diloco.v1.WaitRequest\x1a\x16.diloco.v1.RoundStatus\x12>\n\nPullUpdate\x12\x16.diloco.v1.PullRequest\x1a\x16.diloco.v1.TensorChunk0\x01\x12@\n\nPullGlobal\x12\x16.diloco.v1.PullRequest\x1a\x18.diloco.v1.GlobalMessage0\x01\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12@\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x16.diloco.v1.RoundStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORSPEC']._serialized_start=52
   _globals['_TENSORSPEC']._serialized_end=108
-  _globals['_JOINREQUEST']._serialized_start=111
-  _globals['_JOINREQUEST']._serialized_end=278
-  _globals['_JOINREPLY']._serialized_start=280
-  _globals['_JOINREPLY']._serialized_end=393
-  _globals['_TENSORCHUNK']._serialized_start=396
-  _globals['_TENSORCHUNK']._serialized_end=560
-  _globals['_PUSHHEADER']._serialized_start=563
-  _globals['_PUSHHEADER']._serialized_end=771
-  _globals['_PUSHMESSAGE']._serialized_start=773
-  _globals['_PUSHMESSAGE']._serialized_end=876
-  _globals['_PUSHREPLY']._serialized_start=879
-  _globals['_PUSHREPLY']._serialized_end=1020
-  _globals['_WAITREQUEST']._serialized_start=1022
-  _globals['_WAITREQUEST']._serialized_end=1086
-  _globals['_ROUNDSTATUS']._serialized_start=1088
-  _globals['_ROUNDSTATUS']._serialized_end=1178
-  _globals['_GLOBALMESSAGE']._serialized_start=1181
-  _globals['_GLOBALMESSAGE']._serialized_end=1331
-  _globals['_PULLREQUEST']._serialized_start=1333
-  _globals['_PULLREQUEST']._serialized_end=1451
-  _globals['_TENSORBOX']._serialized_start=1453
-  _globals['_TENSORBOX']._serialized_end=1508
-  _globals['_LEAVEREQUEST']._serialized_start=1510
-  _globals['_LEAVEREQUEST']._serialized_end=1624
-  _globals['_LEAVEREPLY']._serialized_start=1626
-  _globals['_LEAVEREPLY']._serialized_end=1638
-  _globals['_HEARTBEATREQUEST']._serialized_start=1640
-  _globals['_HEARTBEATREQUEST']._serialized_end=1675
-  _globals['_COORDINATOR']._serialized_start=1678
-  _globals['_COORDINATOR']._serialized_end=2182
+  _globals['_JOINREQUEST']._serialized_start=110
+  _globals['_JOINREQUEST']._serialized_end=221
+  _globals['_FRAGMENT']._serialized_start=223
+  _globals['_FRAGMENT']._serialized_end=248
+  _globals['_JOINREPLY']._serialized_start=251
+  _globals['_JOINREPLY']._serialized_end=422
+  _globals['_TENSORCHUNK']._serialized_start=425
+  _globals['_TENSORCHUNK']._serialized_end=589
+  _globals['_PUSHHEADER']._serialized_start=592
+  _globals['_PUSHHEADER']._serialized_end=800
+  _globals['_PUSHMESSAGE']._serialized_start=802
+  _globals['_PUSHMESSAGE']._serialized_end=905
+  _globals['_PUSHREPLY']._serialized_start=908
+  _globals['_PUSHREPLY']._serialized_end=1049
+  _globals['_WAITREQUEST']._serialized_start=1051
+  _globals['_WAITREQUEST']._serialized_end=1115
+  _globals['_ROUNDSTATUS']._serialized_start=1117
+  _globals['_ROUNDSTATUS']._serialized_end=1207
+  _globals['_GLOBALMESSAGE']._serialized_start=1210
+  _globals['_GLOBALMESSAGE']._serialized_end=1360
+  _globals['_PULLREQUEST']._serialized_start=1362
+  _globals['_PULLREQUEST']._serialized_end=1480
+  _globals['_TENSORBOX']._serialized_start=1482
+  _globals['_TENSORBOX']._serialized_end=1537
+  _globals['_LEAVEREQUEST']._serialized_start=1539
+  _globals['_LEAVEREQUEST']._serialized_end=1653
+  _globals['_LEAVEREPLY']._serialized_start=1655
+  _globals['_LEAVEREPLY']._serialized_end=1667
+  _globals['_HEARTBEATREQUEST']._serialized_start=1669
+  _globals['_HEARTBEATREQUEST']._serialized_end=1704
+  _globals['_COORDINATOR']._serialized_start=1707
+  _globals['_COORDINATOR']._serialized_end=2211
 # @@protoc_insertion_point(module_scope)
