@@ -2,7 +2,7 @@
 
 Every key of a run's configuration is a field of a frozen dataclass, made with ``setting``:
 its ``doc`` is the one description of the key. docs/config.md's reference is generated from
-these (diloco/app/config_doc.py, scripts/gen_config_doc.py), and a test checks conf/*.yaml
+these (diloco/cli/config_doc.py, scripts/gen_config_doc.py), and a test checks conf/*.yaml
 against the dataclasses, so a key is described once and cannot drift.
 """
 

@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from diloco.checkpoint import CheckpointError, load_latest
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.init_file import load_init_file
 from diloco.data import DataError, eval_batches, load_corpus
+from diloco.fields import setting
 from diloco.io import limit_malloc_arenas, peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.observe.config import MetricsConfig
@@ -41,20 +42,22 @@ Evaluate = Callable[[dict[str, torch.Tensor]], float]
 
 @dataclass(frozen=True)
 class CoordinatorOptions:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (written to port_file)
-    min_sites: int | None = None  # sites a round waits for; default: quorum.min_sites, else a majority of the sites
-    linger_s: float = 60.0  # after the last round, how long to wait for every site to leave
-    sites_done_file: str | None = None  # once this file exists (the simulator's: every site process has exited), no linger
-    port_file: str | None = None
-    checkpoint_dir: str | None = None  # checkpoint every round there; resume from it on start
-    max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
-    max_rpcs: int = 128  # concurrent calls in all; more are refused at once (the caller retries)
-    max_rpcs_per_site: int = 32  # concurrent calls naming one site id
-    stream_idle_s: float = 30.0  # a push or pull that moves no message this long is cancelled
-    reflection: bool = False  # gRPC server reflection too (the health service is always on: diloco.transport.health)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # this process's Prometheus endpoint (metrics.port; off by default)
-    status: StatusConfig = field(default_factory=StatusConfig)  # the read-only status page (status.port; off by default)
+    """The coordinator process's own keys (conf/coordinator.yaml's ``coordinator:``)."""
+
+    host: str = setting("127.0.0.1", doc="the address the coordinator listens on: 0.0.0.0 to accept sites from other hosts")
+    port: int = setting(50051, doc="its gRPC port; 0: any free port (written to port_file)")
+    min_sites: int | None = setting(None, doc="a round never closes with fewer pushes; null: quorum.min_sites, else a majority of the sites")
+    linger_s: float = setting(60.0, doc="after the last round, how long to wait for every site to leave")
+    sites_done_file: str | None = setting(None, doc="diloco-sim's: once this file exists (every site process has exited), no linger")
+    port_file: str | None = setting(None, doc="if set, the bound port is written there as JSON (useful with port=0)")
+    checkpoint_dir: str | None = setting(None, doc="if set, an atomic checkpoint after every round; a restart on it resumes there")
+    max_tokens_per_push: int = setting(2**40, doc="the largest averaging weight (tokens) one push may declare")
+    max_rpcs: int = setting(128, doc="concurrent calls in all; more are refused at once (sites retry)")
+    max_rpcs_per_site: int = setting(32, doc="concurrent calls naming one site id")
+    stream_idle_s: float = setting(30.0, doc="a push or pull that moves no message this long is cancelled")
+    reflection: bool = setting(False, doc="gRPC server reflection too (grpcurl lists the services); the standard health service is always on")
+    metrics: MetricsConfig = setting(doc="this process's Prometheus endpoint (the metrics section)", factory=MetricsConfig)
+    status: StatusConfig = setting(doc="the read-only status page (the status section)", factory=StatusConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.reflection, bool):

@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +18,7 @@ from diloco.app import records
 from diloco.app.config import RunConfig
 from diloco.app.records import ProgressRecord, WorkerRecord
 from diloco.data import ShardSampler, eval_batches, load_corpus
+from diloco.fields import setting
 from diloco.io import peak_rss_mb, write_json_atomic
 from diloco.model import build_model
 from diloco.observe.config import MetricsConfig
@@ -50,22 +51,26 @@ class SiteHooks(Protocol):
 
 @dataclass(frozen=True)
 class SiteOptions:
-    site_id: str = "0"
-    coordinator: str = "127.0.0.1:50051"
-    shard: int | None = None  # data shard (0 .. sites-1); default: the site id, if it is a number
-    connect_timeout_s: float = 120.0
-    incarnation: int = 0  # how many times this site was started again (its progress file's name)
-    checkpoint_dir: str | None = None  # the site's own checkpoint after every round; restored on start
+    """The site process's own keys (conf/site.yaml's ``site:``; ``id`` is ``site_id``)."""
+
+    site_id: str = setting("0", doc="this site's id: its credentials' name, and its data shard when it is a number")
+    coordinator: str = setting("127.0.0.1:50051", doc="the coordinator's host:port")
+    shard: int | None = setting(None, doc="the data shard in 0..sites-1; null: the site id")
+    connect_timeout_s: float = setting(120.0, doc="how long to wait for the coordinator to answer at all")
+    incarnation: int = setting(0, doc="how many times this site was started again (its progress file's name; diloco-sim's)")
+    checkpoint_dir: str | None = setting(
+        None, doc="if set, the site's own checkpoint after every round (inner optimizer, sampler, residual); restored on start"
+    )
     # Simulation only: the coordinator is started at the same time as the site and writes the
     # port it listens on here; the site reads it once it is ready to connect.
-    coordinator_port_file: str | None = None
-    gpu: int | None = None  # device=cuda: which visible GPU (modulo their number); default LOCAL_RANK (torchrun) or 0
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # this site's Prometheus endpoint (metrics.port; off by default)
-    progress: ProgressConfig = OFF  # live progress on the terminal (diloco-site's ``progress``; simulated sites: off, the simulator shows the run's)
-    # The run settings this site's configuration set explicitly (dotted keys or sections,
-    # diloco.sync.SHARED): stated at Join, where a coordinator with other values refuses the
-    # site; the others are taken from the coordinator. diloco-site: its command line's overrides.
-    stated: tuple[str, ...] = ()
+    coordinator_port_file: str | None = setting(None, doc="diloco-sim's: the coordinator's port, read from this file once it exists")
+    gpu: int | None = setting(None, doc="device=cuda: which visible GPU (modulo their number); null: LOCAL_RANK (torchrun) or 0")
+    metrics: MetricsConfig = setting(doc="this site's Prometheus endpoint (the metrics section; off by default)", factory=MetricsConfig)
+    progress: ProgressConfig = setting(OFF, doc="live progress on the terminal (diloco-site's progress section; simulated sites: off)")
+    stated: tuple[str, ...] = setting(
+        (),
+        doc="the run settings this site's configuration set explicitly (stated at Join, where other values are refused); diloco-site: its command line's",
+    )
 
     def coordinator_address(self) -> str:
         """Where to call the coordinator: ``coordinator``, or what the port file says once it exists."""

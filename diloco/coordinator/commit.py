@@ -15,7 +15,7 @@ import torch
 from diloco.codec import Codec, is_lossless
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.round_state import RoundState
-from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, check_update, l2, params_sha256
+from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, StackedAggregate, WeightedMean, check_update, l2, params_sha256
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import ChunkAssembler, encode_chunks
 
@@ -105,13 +105,15 @@ class Closing:
 
 def commit(
     state: RoundState,
+    acc: WeightedMean | StackedAggregate,
     outer: OuterOptimizer,
     guard: SpikeGuard,
     encoder: UpdateEncoder,
     closing: Closing,
     times: dict[str, float] | None = None,
 ) -> tuple[RoundRecord, list[Chunk]]:
-    """Applies the round: the guard judges the participants' mean Δ; if accepted, the outer
+    """Applies the round (``state``: who it counts; ``acc``: the sum of what they pushed):
+    the guard judges the participants' mean Δ; if accepted, the outer
     optimizer steps (its update encoded once for the sites), else θ stays and the sites get a
     zero update. Total: whatever the pushes held, it returns the round's record and its
     encoded update; a mean Δ or an outer step that is not finite, or absurd, rejects the
@@ -121,7 +123,7 @@ def commit(
     times = times if times is not None else {}
     t0 = time.perf_counter()
     r = state.number
-    mean, refusal = _mean(state)
+    mean, refusal = _mean(state, acc)
     delta_norm = l2(mean) if mean is not None else math.nan
     if refusal is None and not math.isfinite(delta_norm):  # its norm is finite exactly when every value is
         mean, delta_norm, refusal = None, math.nan, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
@@ -186,12 +188,12 @@ def commit(
     return record, sent[0]
 
 
-def _mean(state: RoundState) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+def _mean(state: RoundState, acc: WeightedMean | StackedAggregate) -> tuple[dict[str, torch.Tensor] | None, str | None]:
     """The round's mean Δ, or why there is none (its finiteness is judged by its norm)."""
     if state.pushes and not any(state.counted(s) for s in state.pushes):
         return None, "no pseudo-gradient counted in this round (every push was withheld or refused): θ stays"
     try:
-        return state.acc.mean(), None
+        return acc.mean(), None
     except (ValueError, RuntimeError) as e:
         return None, f"no mean Δ: {e}"
 

@@ -1,14 +1,17 @@
-"""The simulation's own config sections (``faults``, ``wan``/``site_wan``, ``metrics``,
+"""The simulation's own config sections (``sim``, ``faults``, ``wan``/``site_wan``, ``metrics``,
 ``status``) and what would make a process fail at start: each checked before any process
 starts, a ConfigError naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from diloco.app.config import ConfigError, RunConfig
 from diloco.coordinator.init_file import load_init_file
+from diloco.fields import setting
 from diloco.model import build_model, is_builtin
 from diloco.observe.config import check_port
 from diloco.observe.prom import check_port_free
@@ -17,6 +20,42 @@ from diloco.sim.faults import FaultsConfig
 from diloco.sim.links import WanPlan, wan_plan
 from diloco.site.device import resolve_device
 from diloco.wire.fingerprint import fingerprint, mismatches
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """diloco-sim's own keys (conf/sim.yaml's ``sim:``)."""
+
+    timeout_s: float = setting(3600.0, doc="stop everything and fail if the run takes longer")
+    resume: bool = setting(False, doc="go on with the stopped run in hydra.run.dir (the same config) from its checkpoints")
+    credentials: bool = setting(
+        True, doc="make the run's credentials (a run CA, certificates, tokens) in <run dir>/credentials unless security.dir is set; false: plaintext"
+    )
+    plots: bool = setting(True, doc="at the end, plots into <run dir>/plots: loss against tokens and bytes, a timeline of rounds per site")
+    fork: bool = setting(
+        True,
+        doc="start the processes by forking a warm process that imported torch once (CPU runs: the same bits, ~3.5 s of CPU less each); false: fresh interpreters",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"sim.{f.name}={value!r}: must be true or false")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"sim.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
+
+
+def sim_options(d: Mapping[str, Any] | None) -> SimOptions:
+    """The ``sim`` section; ConfigError naming an unknown key or a bad value."""
+    d = dict(d or {})
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(SimOptions)})
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join('sim.' + k for k in unknown)}")
+    try:
+        return SimOptions(**d)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def sim_faults(d: Mapping[str, Any] | None, cfg: RunConfig) -> FaultsConfig:

@@ -143,7 +143,7 @@ def test_a_site_whose_push_came_too_late_or_was_evicted_catches_up(deadline30) -
         waiting = [threading.Thread(target=sites[s].sync, kwargs=dict(tokens=10, train_loss=1.0, inner_steps=1)) for s in ("a", "b")]
         for t in waiting:
             t.start()
-        while len(coord._round.pushed_at) < 2:  # noqa: SLF001 - wait until both pushes are in
+        while len(coord.book.current.pushed_at) < 2:  # wait until both pushes are in
             threading.Event().wait(0.05)
         clock.t += 31
         assert coord.tick() is not None

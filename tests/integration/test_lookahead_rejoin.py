@@ -94,7 +94,7 @@ def test_a_site_joining_mid_run_follows_the_coordinators_momentum_as_the_site_th
     run = run_factory(3)
     first = run.site()
     _train(first, 3)
-    momentum = run.coordinator._outer.momentum_buffers()
+    momentum = run.coordinator.shard.outer.momentum_buffers()
     assert {n: b.flatten()[0].item() for n, b in momentum.items()} == {"a": 3.5, "b": 3.5}
     # The site that ran all along recovered it from the three updates it applied.
     assert {n: torch.equal(b, momentum[n]) for n, b in first._lookahead.buffer.items()} == {"a": True, "b": True}
@@ -122,7 +122,7 @@ def test_the_momentum_comes_with_theta_of_the_same_round_and_only_when_asked(run
     plain_status, plain_chunks = run.client.pull_global("0")
     assert status == plain_status and status.committed_rounds == 3
     assert {n: torch.equal(t, run.coordinator.global_params()[n]) for n, t in _assembled(chunks, site).items()} == {"a": True, "b": True}
-    assert {n: torch.equal(t, run.coordinator._outer.momentum_buffers()[n]) for n, t in _assembled(momentum, site).items()} == {"a": True, "b": True}
+    assert {n: torch.equal(t, run.coordinator.shard.outer.momentum_buffers()[n]) for n, t in _assembled(momentum, site).items()} == {"a": True, "b": True}
     assert sum(len(c.payload) for c in plain_chunks) == sum(len(c.payload) for c in chunks)
     # A pull of slices gets the momentum's slices too.
     _, part, part_momentum = run.client.pull_global_with_state("0", {"b": Box(start=(1, 0), shape=(1, 2))})

@@ -68,7 +68,7 @@ def test_the_first_pulls_wait_for_every_site_then_round_0_opens(three) -> None:
     for t in early:
         t.join(10)
     assert set(done) == {"a", "b"} and all(t >= before_c for t in done.values()), done
-    assert coord._round.opened_at >= before_c - 0.01  # round 0 opened when the last site came in
+    assert coord.book.current.opened_at >= before_c - 0.01  # round 0 opened when the last site came in
     # Past the start, pulls are never held (a restarted site pulls at once).
     t0 = time.monotonic()
     client.pull_global("a")
@@ -82,7 +82,7 @@ def test_a_site_that_never_comes_holds_the_others_only_start_wait_s() -> None:
         client.pull_global("a")
         waited = time.monotonic() - t0
         assert 0.9 <= waited < 10, waited
-        assert coord._barrier.open and coord._barrier.arrived == {"a"}
+        assert coord.sessions.barrier.open and coord.sessions.barrier.arrived == {"a"}
 
 
 def test_a_pull_held_longer_than_the_hold_is_told_to_pull_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,11 +64,11 @@ def test_a_round_whose_step_would_overflow_is_rejected_and_the_residual_stays() 
     records = []
     coord.on_commit.append(records.append)
     _push(coord, "a", 0, 0.01)
-    residual = coord._encoder.feedback.residual  # noqa: SLF001 - the state the refusal must not move
+    residual = coord.shard.encoder.feedback.residual  # noqa: SLF001 - the state the refusal must not move
     theta = coord.global_params()
     _push(coord, "a", 1, 3e38, tokens=2**40)
     assert records[1].rejected and records[1].guard
-    assert coord._encoder.feedback.residual is residual  # noqa: SLF001
+    assert coord.shard.encoder.feedback.residual is residual  # noqa: SLF001
     assert all(torch.equal(theta[n], p) for n, p in coord.global_params().items())
     _push(coord, "a", 2, 0.01)
     assert not records[2].rejected and coord.finished

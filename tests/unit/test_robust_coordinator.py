@@ -77,7 +77,7 @@ def test_the_norm_history_and_refusals_survive_a_checkpoint() -> None:
     restored = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=3, min_sites=4, robust=robust))
     restored.restore(state)
     assert restored.refusals() == {"3": 1}
-    assert restored._bound.history == c._bound.history  # noqa: SLF001
+    assert restored.intake.bound.history == c.intake.bound.history
 
 
 def test_a_non_finite_push_is_refused_whole_with_the_bound_off() -> None:

@@ -1,0 +1,126 @@
+"""The coordinator's data plane for the parameters it owns: θ and the outer optimizer, the
+split into fragments, the open round's sum of pseudo-gradients, the spike guard that judges
+its mean, and the downlink's encoding of each update.
+
+Today one shard owns every parameter. It is the part that the next step cuts by parameter
+range (docs/design.md, "The coordinator"): S shards, each receiving, summing, stepping and
+encoding its own range, all committing the participant set the control plane
+(diloco.coordinator.round_book, sessions) decided. It knows nothing of sites, leases or round
+numbers beyond the one it is told to open, and takes no lock: the coordinator holds its lock
+around every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder, commit
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.guard import SpikeGuard
+from diloco.errors import CoordinatorError
+from diloco.outer import OuterConfig, OuterOptimizer, StackedAggregate, WeightedMean, averaged_from, make_aggregate, params_sha256
+from diloco.outer.fragments import fragment_of_round, split_fragments
+from diloco.security.ids import quote
+from diloco.types import Chunk, TensorSpec
+from diloco.wire import fingerprint
+
+
+class Shard:
+    def __init__(self, outer_cfg: OuterConfig, cfg: CoordinatorConfig) -> None:
+        self.cfg = cfg
+        self.outer_cfg = outer_cfg
+        self.ready = False  # θ₀ is set (always, unless init=site and no site has sent it yet)
+        self.init_from = "a site (init=site), not yet"  # who θ₀ came from, named in messages
+        self.specs: dict[str, TensorSpec] = {}
+        self.shapes: dict[str, torch.Size] = {}
+        self.split: tuple[tuple[str, ...], ...] = ((),)
+        self.hash = ""
+        self.guard = SpikeGuard(cfg.guard)
+        self.outer: OuterOptimizer | None = None
+        self.encoder: UpdateEncoder | None = None
+        self.acc: WeightedMean | StackedAggregate = make_aggregate({}, cfg.aggregate, cfg.robust.trim)  # the open round's sum
+
+    def install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
+        """θ₀ and everything sized by it: the outer optimizer, the split, the encoder.
+        ValueError: more fragments than the model has layers."""
+        cfg = self.cfg
+        average_from = averaged_from(cfg.total_rounds, cfg.flush_rounds, self.outer_cfg.final_average, last=cfg.fragments if cfg.frozen_end else 1)
+        outer = OuterOptimizer(params, self.outer_cfg, steps=-(-cfg.total_rounds // cfg.fragments), fragments=cfg.fragments, average_from=average_from)
+        specs = fingerprint(outer.params)
+        self.split = split_fragments({n: p.shape for n, p in outer.params.items()}, cfg.fragments, cfg.fragment_split)
+        self.outer, self.specs = outer, specs
+        self.shapes = {n: p.shape for n, p in outer.params.items()}
+        self.encoder = UpdateEncoder.of(cfg.codec_down.build(), specs, cfg.chunk_bytes, cfg.error_feedback_down)
+        self.hash = params_sha256(outer.params)
+        self.init_from = source
+        self.ready = True
+
+    # ---- the open round ----------------------------------------------------------------
+    def open(self, number: int) -> tuple[tuple[str, ...], int]:
+        """A fresh sum for round ``number``; returns the names it syncs and its fragment."""
+        fragment = fragment_of_round(number, self.cfg.fragments)
+        names = self.split[fragment] if len(self.split) > fragment else ()  # before θ₀ (init=site): none
+        self.acc = make_aggregate({n: self.shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust.trim)
+        return tuple(sorted(names)), fragment
+
+    def add(self, delta: Mapping[str, torch.Tensor], weight: float, scale: float | None = None) -> None:
+        """A counted push's Δ (``scale``: clipped down by it first, in place)."""
+        if scale is not None:
+            for t in delta.values():
+                t.mul_(scale)
+        self.acc.add(delta, weight)
+
+    def add_zero(self, weight: float) -> None:
+        """A withheld site's zero Δ with its weight (quorum.withheld=zero; weighted means only)."""
+        if isinstance(self.acc, WeightedMean):
+            self.acc.add_zero(weight)
+
+    def round_specs(self, round: int) -> dict[str, TensorSpec]:
+        """The tensors a push for ``round`` carries: every one, or its fragment's."""
+        return {n: self.specs[n] for n in self.split[fragment_of_round(round, self.cfg.fragments)]}
+
+    def check_fragment(self, round: int, name: str) -> None:
+        """A chunk of a tensor that round ``round``'s fragment does not hold is refused, saying
+        which fragment it belongs to (an unknown name is left to the assembler to name)."""
+        if self.cfg.fragments == 1:
+            return
+        fragment = fragment_of_round(round, self.cfg.fragments)
+        if name in self.split[fragment]:
+            return
+        owner = next((i for i, part in enumerate(self.split) if name in part), None)
+        if owner is not None:
+            raise CoordinatorError(
+                "invalid_argument",
+                f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {self.cfg.fragments}",
+            )
+
+    def commit(self, state: Any, closing: Closing, times: dict[str, Any]) -> tuple[RoundRecord, list[Chunk]]:
+        """The open round's outer step (diloco.coordinator.commit: total); θ's hash moves with it."""
+        assert self.outer is not None and self.encoder is not None
+        return commit(state, self.acc, self.outer, self.guard, self.encoder, closing, times)
+
+    # ---- what a checkpoint holds of it -------------------------------------------------------
+    def checkpoint(self) -> dict[str, Any]:
+        """By reference: no commit can move it before it is written."""
+        assert self.outer is not None and self.encoder is not None
+        return {
+            "outer": self.outer.state_dict(),
+            "down_residual": self.encoder.feedback.residual if self.encoder.feedback is not None else None,
+            "guard_history": self.guard.history,
+            "init_from": self.init_from,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """θ, the outer optimizer, the downlink residual and the guard's history from a checkpoint
+        (θ₀ installed from it when this shard has none: init=site)."""
+        if not self.ready:
+            self.install(state["outer"]["params"], str(state.get("init_from", "the checkpoint")))
+        assert self.outer is not None and self.encoder is not None
+        self.outer.load_state_dict(state["outer"])
+        self.hash = params_sha256(self.outer.params)
+        if self.encoder.feedback is not None:
+            self.encoder.feedback.carry(state["down_residual"])
+        self.guard = SpikeGuard(self.cfg.guard, list(state.get("guard_history", [])))
