@@ -4,7 +4,7 @@ Starts ``diloco-coordinator`` and ``sites`` × ``diloco-site`` as separate proce
 127.0.0.1, each under ``/usr/bin/time -v``, waits for the run to finish, and prints every
 process's "Maximum resident set size" (the kernel's peak RSS) with its wall time.
 
-    .venv/bin/python scripts/bench_memory.py --sites 4 -- model=tiny sync_every=50 rounds=3
+    .venv/bin/python scripts/bench_memory.py --sites 4 -- model=tiny sync.every=50 rounds=3
 
 Everything after ``--`` is passed as hydra overrides to every process.
 """

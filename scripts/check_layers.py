@@ -20,10 +20,11 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "diloco.boxes",
         "diloco.io",
+        "diloco.run_dir",
         "diloco.errors",
         "diloco.security",
         "diloco.plan",
-    ),  # leaves: tensor slices, files, refusal kinds, credentials, the bandwidth planner
+    ),  # leaves: tensor slices, files, a run directory's paths, refusal kinds, credentials, the bandwidth planner
     ("diloco.types", "diloco.model_config"),  # the domain types that cross the wire; what model a run trains
     ("diloco.observe",),  # watching a run: the log format, exporters, plots of a run directory
     ("diloco.outer", "diloco.codec", "diloco.model", "diloco.data", "diloco.checkpoint"),  # math, value codecs, model, data

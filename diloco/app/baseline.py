@@ -24,8 +24,9 @@ from diloco.app.records import GlobalRecord, MetricsLine, WorkerRecord, append_m
 from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.io import peak_rss_mb
 from diloco.model import build_model, count_params
-from diloco.observe.tensorboard import RunBoard, board_dir
+from diloco.observe.tensorboard import RunBoard
 from diloco.outer import params_sha256
+from diloco.run_dir import RunDir
 from diloco.site.inner import InnerTrainer, evaluate_loss
 
 
@@ -60,7 +61,7 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
     grad_bytes_per_step = 4 * params * world_size if distributed else 0
     # The run's TensorBoard scalars, as a DiLoCo coordinator writes them (tb/coordinator: the
     # same tags, so that runs of every mode compare in one TensorBoard).
-    board = RunBoard(board_dir(run_dir, "coordinator")) if rank == 0 and cfg.tensorboard.enabled else None
+    board = RunBoard(RunDir(run_dir).tensorboard("coordinator")) if rank == 0 and cfg.tensorboard.enabled else None
     start = time.monotonic()
     round_start = start
     final_eval: float | None = None
@@ -82,7 +83,7 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
             line = _metrics_line(cfg, r, world_size, sampler.tokens_per_batch, grad_bytes_per_step, float(loss), eval_bpb, model)
             line.update(eval_loss=eval_loss, eval_by="coordinator" if eval_loss is not None else None)
             written = MetricsLine(**line, wall_s=round(now - round_start, 4), elapsed_s=round(now - start, 4))
-            append_metrics(run_dir / "metrics.jsonl", written)
+            append_metrics(RunDir(run_dir).metrics, written)
             if board is not None:
                 board.write(written)
             round_start = now
@@ -102,10 +103,10 @@ def _train(cfg: RunConfig, rank: int, world_size: int, run_dir: Path, log: Calla
         wall_s=round(time.monotonic() - start, 3),
         peak_rss_mb=peak_rss_mb(),
     )
-    records.write(run_dir / "workers" / f"{rank}.json", result)
+    records.write(RunDir(run_dir).worker(rank), result)
     if rank == 0:
         records.write(
-            run_dir / "global.json",
+            RunDir(run_dir).global_record,
             GlobalRecord(
                 params=params,
                 rounds_committed=cfg.rounds,

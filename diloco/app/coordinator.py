@@ -32,6 +32,7 @@ from diloco.observe.coordinator_observer import CoordinatorObserver
 from diloco.observe.logs import log_at
 from diloco.observe.status_page import StatusConfig, StatusPage, serve_status_page
 from diloco.outer.fragments import describe
+from diloco.run_dir import RunDir
 from diloco.security.store import RunCredentials
 from diloco.site.inner import evaluate_loss
 from diloco.transport import ServerLimits, serve
@@ -90,7 +91,7 @@ def _status_page(cfg: RunConfig, opts: CoordinatorOptions, run_dir: Path, log: C
     if not opts.status.enabled:
         return None
     about = {"sites": cfg.sites, "H": cfg.sync.every, "model": cfg.model.name, "codec": cfg.codec.describe()}
-    page = serve_status_page(opts.status, cfg.security, run_dir / "metrics.jsonl", about)
+    page = serve_status_page(opts.status, cfg.security, RunDir(run_dir).metrics, about)
     log(f"coordinator: status page on {page.url} ({page.security.describe()})")
     return page
 
@@ -112,7 +113,7 @@ def _serve_run(
     fatal, failed = _failure_alarm(log)
     coordinator.on_fatal.append(fatal)
     reporter = MetricsReporter(
-        run_dir / "metrics.jsonl", coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log, on_fatal=fatal,
+        RunDir(run_dir).metrics, coordinator, evaluate, eval_by=eval_by, bytes_data=cfg.data.format == "bytes", log=log, on_fatal=fatal,
         listeners=observer.line_listeners,
     )  # fmt: skip
     coordinator.on_commit.append(reporter.submit)
@@ -167,7 +168,7 @@ def _serve_run(
         commit_s_median=_median_parts(coordinator.commit_timings()),
         fragments=describe(coordinator.fragments, {n: s.shape for n, s in coordinator.specs.items()}) if cfg.sync.fragments > 1 and coordinator.ready else None,
     )
-    records.write(run_dir / "global.json", result)
+    records.write(RunDir(run_dir).global_record, result)
     log(f"coordinator done: {result.rounds_committed} rounds, global sha256 {result.global_sha256[:16]}")
     return records.to_dict(result)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from diloco.io import append_jsonl, read_jsonl, write_json_atomic
+from diloco.run_dir import ENTRIES, GLOBAL, METRICS, PROGRESS, SUMMARY, WORKERS
 
 R = TypeVar("R")
 
@@ -226,59 +227,15 @@ class RunFile:
     written_by: str = ""
 
 
-RUN_FILES: tuple[RunFile, ...] = (
-    RunFile("config.json", "the resolved run config every process reads (diloco.app.config.run_config_to_dict)", None, "diloco-sim"),
-    RunFile("metrics.jsonl", "one JSON line per committed round", MetricsLine, "the coordinator (ddp/single: rank 0)"),
-    RunFile("global.json", "the coordinator's report", GlobalRecord, "the coordinator (ddp/single: rank 0)"),
-    RunFile("workers/<id>.json", "one per site (or rank)", WorkerRecord, "each site / rank"),
-    RunFile("progress/<site>.<incarnation>.json", "tokens a site process trained so far, and its round and step", ProgressRecord, "each site process"),
-    RunFile("sites_done", "empty; exists once every site process has exited, so that the coordinator stops waiting for sites to leave", None, "diloco-sim"),
-    RunFile(
-        "status_page.json",
-        "where the coordinator serves its status page: {host, port, url, tls, client_certificate, token} (diloco-sim's status.port)",
-        None,
-        "the coordinator",
-    ),
-    RunFile("summary.json", "the run's summary", Summary, "diloco-sim"),
-    RunFile("faults.json", "the fault events to inject (the `faults` section of diloco-sim)", None, "diloco-sim"),
-    RunFile("faults.jsonl", "one line per fault event that fired: event, kind, process, time, round, …", None, "the process that suffered it"),
-    RunFile(
-        "checkpoints/coordinator/, checkpoints/site-<i>/",
-        "atomic checkpoints (coordinator: every round; sites: their own state)",
-        None,
-        "the coordinator, each site",
-    ),
-    RunFile(
-        "logs/<process>.<incarnation>.log",
-        "each process's output: log lines `time [process] LEVEL message` (logging.json=true: one JSON object per line, {time, process, level, message})",
-        None,
-        "diloco-sim",
-    ),
-    RunFile(
-        "tb/coordinator/, tb/site-<id>/",
-        "TensorBoard event files (tensorboard.enabled): the run's scalars per round, by round and by tokens (by_tokens/); each site's inner loss, lr and step time per step, and its outer sync's time split per round (docs/observability.md)",
-        None,
-        "the coordinator (ddp/single: rank 0), each site",
-    ),
-    RunFile(
-        "pids.json",
-        "each process's pid by name (`coordinator`, `site <id>`, `rank <r>`, `wan`; a restarted one's latest): forked processes share the zygote's command line (sim.fork)",
-        None,
-        "diloco-sim",
-    ),
-    RunFile(
-        "prometheus/<process>.json",
-        "where a process serves Prometheus /metrics: {host, port, url} (diloco-sim's metrics.port)",
-        None,
-        "the coordinator, each site",
-    ),
-    RunFile(
-        "plots/*.png",
-        "eval_vs_tokens, train_loss_vs_tokens, eval_vs_bytes (log scale), overview (the three side by side), timeline (per site and round: pushed, absent, evicted, late, dropped, refused, killed, rejoined)",
-        None,
-        "diloco-sim, at the end (sim.plots)",
-    ),
-)
+# The typed files of a run directory (the others are named, with what they hold, by diloco.run_dir.ENTRIES).
+TYPED: dict[str, type] = {
+    METRICS: MetricsLine,
+    GLOBAL: GlobalRecord,
+    WORKERS: WorkerRecord,
+    PROGRESS: ProgressRecord,
+    SUMMARY: Summary,
+}
+RUN_FILES: tuple[RunFile, ...] = tuple(RunFile(path, what, TYPED.get(path), who) for path, (what, who) in ENTRIES.items())
 
 
 def outputs_markdown() -> str:

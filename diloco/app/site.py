@@ -25,6 +25,7 @@ from diloco.observe.config import MetricsConfig
 from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, SiteStep
 from diloco.observe.site_observer import SiteObserver
 from diloco.outer import params_sha256
+from diloco.run_dir import RunDir
 from diloco.site.checkpoint import SiteCheckpointer
 from diloco.site.device import configure_cuda, resolve_device
 from diloco.site.inner import InnerTrainer, evaluate_loss
@@ -222,7 +223,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         wall_s=round(time.monotonic() - start, 3),
         peak_rss_mb=peak_rss_mb(),
     )
-    records.write(run_dir / "workers" / f"{opts.site_id}.json", result)
+    records.write(RunDir(run_dir).worker(opts.site_id), result)
     return records.to_dict(result)
 
 
@@ -249,7 +250,7 @@ class _Site:
         # Every token this process trains, counted as it goes (goodput: the simulator compares it
         # with the tokens that made it into committed rounds); rewritten each step, so a killed
         # site's count is at most one step behind.
-        self.progress = run_dir / "progress" / f"{opts.site_id}.{opts.incarnation}.json"
+        self.progress = RunDir(run_dir).progress(opts.site_id, opts.incarnation)
         self.trained = 0
         self.live: LiveProgress | None = None  # the site's progress on the terminal (diloco-site)
         self.schedule = cfg.schedule  # when this site pushes and merges: its own until it joins, then the run's

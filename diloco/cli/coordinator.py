@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from diloco.app.config import ConfigError
 from diloco.app.coordinator import CoordinatorFailed, CoordinatorOptions, run_coordinator
+from diloco.app.preset import apply_preset
 from diloco.checkpoint import CheckpointError
 from diloco.cli.common import SECTIONS, check_renamed, fail, process_metrics, process_status, run_config, run_dir, section
 from diloco.coordinator.init_file import InitFileError
@@ -24,7 +25,12 @@ def _main(cfg: DictConfig) -> None:
         rc = run_config(cfg, SECTIONS["coordinator"])
         flush_denormals(rc.inner.flush_denormal)  # the process's setting, before its threads start
         opts = CoordinatorOptions(**section(cfg, "coordinator"), metrics=process_metrics(cfg), status=process_status(cfg))
-        run_coordinator(rc, opts, run_dir(), log=setup_logging("coordinator", json=rc.logging.json))
+        log = setup_logging("coordinator", json=rc.logging.json)
+        try:
+            rc = apply_preset(rc, measure=False, log=log)  # the settings the coordinator hands out (sync.preset)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        run_coordinator(rc, opts, run_dir(), log=log)
         exit_process()  # written and done: skip the interpreter's teardown (seconds; see exit_process)
     except (ConfigError, TypeError) as e:
         fail(f"bad config: {e}")

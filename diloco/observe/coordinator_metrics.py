@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from diloco.observe.prom import DURATION_BUCKETS, new_registry
+from diloco.observe.watched import CommitRecord, WatchedCoordinator
 
 PREFIX = "diloco_coordinator_"
 PULLS = {"PullUpdate": "update", "PullGlobal": "global"}
@@ -63,10 +64,10 @@ class CoordinatorMetrics:
             self.sites.labels(state)  # present (at 0) before the first site joins
         for reason in ("late", "duplicate", NORM_BOUND, WITHHELD):
             self.pushes_refused.labels(reason)
-        self._coordinator: Any = None
+        self._coordinator: WatchedCoordinator | None = None
 
     # ---- the coordinator -------------------------------------------------------------
-    def attach(self, coordinator: Any) -> None:
+    def attach(self, coordinator: WatchedCoordinator) -> None:
         """Reads the gauges from ``coordinator`` (a diloco.coordinator.Coordinator: this
         package sits below it, and only reads it) and counts its commits."""
         self._coordinator = coordinator
@@ -77,7 +78,7 @@ class CoordinatorMetrics:
             self.sites.labels(state).set_function(lambda state=state: coordinator.site_counts()[state])
         coordinator.on_commit.append(self.on_commit)
 
-    def on_commit(self, record: Any) -> None:
+    def on_commit(self, record: CommitRecord) -> None:
         """A commit's diloco.coordinator.commit.RoundRecord."""
         self.rounds_committed.inc()
         self.tokens.inc(record.tokens)

@@ -11,7 +11,9 @@ from typing import Any
 from diloco.observe.config import MetricsConfig, TensorBoardConfig
 from diloco.observe.coordinator_metrics import CoordinatorMetrics
 from diloco.observe.prom import MetricsEndpoint, metrics_tls, serve_metrics
-from diloco.observe.tensorboard import RunBoard, board_dir
+from diloco.observe.tensorboard import RunBoard
+from diloco.observe.watched import WatchedCoordinator
+from diloco.run_dir import RunDir
 from diloco.security.config import SecurityConfig
 
 
@@ -45,10 +47,11 @@ class CoordinatorObserver:
             if metrics.port_file:
                 endpoint.write(Path(metrics.port_file))
             log(f"coordinator: Prometheus metrics on {endpoint.url}")
-        board = RunBoard(board_dir(run_dir, "coordinator"), earlier=written_lines(Path(run_dir) / "metrics.jsonl")) if tensorboard.enabled else None
+        rd = RunDir(run_dir)
+        board = RunBoard(rd.tensorboard("coordinator"), earlier=written_lines(rd.metrics)) if tensorboard.enabled else None
         return cls(board, coordinator_metrics, endpoint)
 
-    def attach(self, coordinator: Any) -> None:
+    def attach(self, coordinator: WatchedCoordinator) -> None:
         """The diloco.coordinator.Coordinator the metrics read."""
         if self.metrics is not None:
             self.metrics.attach(coordinator)

@@ -16,8 +16,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from diloco.observe.rundata import PLOTS_DIR, RunData, load_run
+from diloco.observe.rundata import RunData, load_run
 from diloco.observe.timeline import EVENTS, STATES, timeline
+from diloco.run_dir import RunDir
 
 CURVES = ("eval_vs_tokens", "train_loss_vs_tokens", "eval_vs_bytes")
 DPI = 120
@@ -177,7 +178,7 @@ def plot_run(run_dir: Path | str) -> list[Path]:
     """One run's plots into ``<run_dir>/plots/``: the curves, overview.png and timeline.png.
     RunDirError when ``run_dir`` is not a run with committed rounds."""
     run = load_run(run_dir)
-    out = run.path / PLOTS_DIR
+    out = RunDir(run.path).plots_dir
     return draw_curves([run], out) + [draw_timeline(run, out / "timeline.png")]
 
 

@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.io import read_jsonl_tolerant
-
-RUN_MARKERS = ("metrics.jsonl", "summary.json", "config.json", "global.json")
-PLOTS_DIR = "plots"  # a run's own plots: <run_dir>/plots/
+from diloco.run_dir import RunDir
 
 
 class RunDirError(ValueError):
@@ -187,17 +185,19 @@ def load_run(path: Path | str) -> RunData:
         raise RunDirError(f"{path}: no such directory")
     if not path.is_dir():
         raise RunDirError(f"{path}: not a directory (give a run directory: the one holding metrics.jsonl and summary.json)")
-    if not any((path / name).exists() for name in RUN_MARKERS):
-        raise RunDirError(f"{path}: not a run directory (none of {', '.join(RUN_MARKERS)} in it)")
-    if not (path / "metrics.jsonl").exists():
+    rd = RunDir(path)
+    markers = (rd.metrics, rd.summary, rd.config, rd.global_record)
+    if not any(m.exists() for m in markers):
+        raise RunDirError(f"{path}: not a run directory (none of {', '.join(m.name for m in markers)} in it)")
+    if not rd.metrics.exists():
         raise RunDirError(
             f"{path}: no metrics.jsonl, so nothing to plot: the run committed no round yet, or this is a site's run directory (the coordinator's holds metrics.jsonl)"
         )
-    metrics = _jsonl(path / "metrics.jsonl")
+    metrics = _jsonl(rd.metrics)
     if not metrics:
         raise RunDirError(f"{path}: metrics.jsonl holds no committed round")
-    optional = {name: _json(path / f"{name}.json") if (path / f"{name}.json").exists() else None for name in ("summary", "config", "global")}
-    workers = {p.stem: _json(p) for p in sorted((path / "workers").glob("*.json"))} if (path / "workers").is_dir() else {}
+    optional = {name: _json(f) if f.exists() else None for name, f in (("summary", rd.summary), ("config", rd.config), ("global", rd.global_record))}
+    workers = {p.stem: _json(p) for p in sorted(rd.workers_dir.glob("*.json"))} if rd.workers_dir.is_dir() else {}
     # The fault events that fired: summary.json's list, else (a run that did not finish) faults.jsonl.
-    faults = list(optional["summary"].get("faults_injected") or []) if optional["summary"] else read_jsonl_tolerant(path / "faults.jsonl")
+    faults = list(optional["summary"].get("faults_injected") or []) if optional["summary"] else read_jsonl_tolerant(rd.faults_fired)
     return RunData(path, metrics, summary=optional["summary"], config=optional["config"], global_record=optional["global"], workers=workers, faults=faults)

@@ -10,6 +10,7 @@ from typing import Any
 
 from diloco.observe.prom import DURATION_BUCKETS, LiveCounter, new_registry
 from diloco.observe.tensorboard import SYNC_PARTS
+from diloco.observe.watched import WatchedLoop, WatchedSync
 
 PREFIX = "diloco_site_"
 RATE_WINDOW = 20  # tokens/s over the last this many inner steps
@@ -41,10 +42,10 @@ class SiteMetrics:
             buckets=DURATION_BUCKETS,
         )
         self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW)
-        self._sync: Any = None  # the site's OuterSync (its stats), once it has joined
-        self._loop: Any = None  # its RoundLoop (its stats)
+        self._sync: WatchedSync | None = None  # the site's OuterSync (its stats), once it has joined
+        self._loop: WatchedLoop | None = None  # its RoundLoop (its stats)
 
-        def live(name: str, doc: str, read: Callable[[Any, Any], float]) -> None:
+        def live(name: str, doc: str, read: Callable[[WatchedSync, WatchedLoop | None], float]) -> None:
             LiveCounter(r, p + name, doc, lambda: read(self._sync, self._loop) if self._sync is not None else 0.0)
 
         live("reconnects", "Calls retried because the coordinator could not be reached", lambda s, _l: s.stats.reconnects)
@@ -57,7 +58,7 @@ class SiteMetrics:
         for part in SYNC_PARTS:
             self.sync_seconds.labels(part.removesuffix("_s"))
 
-    def watch(self, sync: Any, loop: Any = None) -> None:
+    def watch(self, sync: WatchedSync, loop: WatchedLoop | None = None) -> None:
         """Reads the live counts from ``sync`` (an OuterSync) and ``loop`` (its RoundLoop)."""
         self._sync, self._loop = sync, loop
 

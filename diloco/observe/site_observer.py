@@ -7,20 +7,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from diloco.observe.config import MetricsConfig, TensorBoardConfig
 from diloco.observe.prom import MetricsEndpoint, metrics_tls, serve_metrics
 from diloco.observe.site_metrics import SiteMetrics
-from diloco.observe.tensorboard import SiteBoard, board_dir
+from diloco.observe.tensorboard import SiteBoard
+from diloco.observe.watched import WatchedLoop, WatchedSync
+from diloco.run_dir import RunDir
 from diloco.security.config import SecurityConfig
 
 
 class SiteObserver:
     def __init__(self, board: SiteBoard | None = None, metrics: SiteMetrics | None = None, endpoint: MetricsEndpoint | None = None) -> None:
         self.board, self.metrics, self.endpoint = board, metrics, endpoint
-        self._sync: Any = None
-        self._loop: Any = None
+        self._sync: WatchedSync | None = None
+        self._loop: WatchedLoop | None = None
         self._step_s = 0.0  # seconds in inner steps so far
         self._first: float | None = None  # when the first inner step began (monotonic)
 
@@ -43,10 +44,10 @@ class SiteObserver:
             if metrics.port_file:
                 endpoint.write(Path(metrics.port_file))
             log(f"site {site_id}: Prometheus metrics on {endpoint.url}")
-        board = SiteBoard(board_dir(run_dir, f"site-{site_id}")) if tensorboard.enabled else None
+        board = SiteBoard(RunDir(run_dir).tensorboard(f"site-{site_id}")) if tensorboard.enabled else None
         return cls(board, site_metrics, endpoint)
 
-    def watch(self, sync: Any, loop: Any = None) -> None:
+    def watch(self, sync: WatchedSync, loop: WatchedLoop | None = None) -> None:
         """The site's OuterSync and RoundLoop, whose counts the metrics read."""
         self._sync, self._loop = sync, loop
         if self.metrics is not None:

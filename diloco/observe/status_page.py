@@ -44,6 +44,7 @@ from diloco.fields import setting
 from diloco.io import write_json_atomic
 from diloco.observe.config import EndpointConfig, parse_section
 from diloco.observe.status_state import RunState
+from diloco.observe.watched import WatchedCoordinator
 from diloco.security.config import SecurityConfig, is_loopback
 from diloco.security.store import RunCredentials
 from diloco.security.tokens import TokenTable
@@ -290,14 +291,14 @@ class StatusPage:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{'https' if self.security.context else 'http'}://{host}:{self.port}/"
 
-    def attach(self, coordinator: Any) -> None:
+    def attach(self, coordinator: WatchedCoordinator) -> None:
         """The diloco.coordinator.Coordinator the page shows (until then it says ``starting``)."""
         self.state.attach(coordinator)
 
-    def chain(self, then: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    def chain(self, then: Callable[[Any], None] | None) -> Callable[[WatchedCoordinator], None]:
         """An ``attach`` callback that attaches the page, then calls ``then`` (if any)."""
 
-        def attach(coordinator: Any) -> None:
+        def attach(coordinator: WatchedCoordinator) -> None:
             self.attach(coordinator)
             if then is not None:
                 then(coordinator)

@@ -5,9 +5,8 @@ metrics.jsonl writes a round's line once the next round is committed (its bytes 
 then); until then the round comes from the coordinator's recent records, without its bytes
 down and evaluation (``"written": false``).
 
-The object it reads is duck-typed (``diloco.coordinator.Coordinator``; this package sits below
-it): ``run_id``, ``cfg.total_rounds``, ``ready``, ``committed_rounds``, ``finished``, ``failed``,
-``init_from``, ``global_sha256()``, ``site_states()`` and ``recent_records()``.
+What it reads of the coordinator (this package sits below it) is the ``WatchedCoordinator``
+protocol of watched.py, which diloco.coordinator.Coordinator implements.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from diloco.observe.watched import WatchedCoordinator
 
 TABLE_ROUNDS = 20  # the rounds table shows the most recent ones
 CURVE_POINTS = 1000  # the curves are thinned to about this many points (a long run's JSON stays small)
@@ -144,13 +145,13 @@ class RunState:
     def __init__(self, metrics_path: Path, about: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.time) -> None:
         self.about = dict(about or {})
         self._tail = MetricsTail(metrics_path)
-        self._coordinator: Any = None
+        self._coordinator: WatchedCoordinator | None = None
         self._clock = clock
         self._lock = threading.Lock()  # one snapshot at a time; requests meanwhile share it
         self._cached: tuple[float, bytes] | None = None
         self.started = clock()
 
-    def attach(self, coordinator: Any) -> None:
+    def attach(self, coordinator: WatchedCoordinator) -> None:
         self._coordinator = coordinator
 
     def json_bytes(self) -> bytes:

@@ -18,14 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-TB_DIR = "tb"
 BY_TOKENS = "by_tokens/"
 SYNC_PARTS = ("delta_s", "encode_s", "push_s", "wait_s", "pull_s", "apply_s")  # OuterSync.stats.timings, in order
-
-
-def board_dir(run_dir: Path, process: str) -> Path:
-    """<run dir>/tb/<process>: ``coordinator`` or ``site-<id>``."""
-    return Path(run_dir) / TB_DIR / process
 
 
 def _writer(directory: Path, flush_s: int) -> Any:

@@ -17,7 +17,8 @@ from diloco.io import exit_process
 from diloco.observe.config import MetricsConfig
 from diloco.observe.logs import setup_logging
 from diloco.observe.status_page import StatusConfig
-from diloco.sim.faults import FAULTS_FILE, FaultPlan, SiteFaults, coordinator_hooks, faults_from_file
+from diloco.run_dir import RunDir
+from diloco.sim.faults import FaultPlan, SiteFaults, coordinator_hooks, faults_from_file
 from diloco.site.device import flush_denormals
 
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     flush_denormals(cfg.inner.flush_denormal)  # the process's setting, before its threads start
     process = {"coordinator": "coordinator", "site": f"site {args.site_id}", "worker": f"rank {args.rank}"}[args.role]
     skip = [int(i) for i in args.skip_faults.split(",") if i]
-    faults_file = args.run_dir / FAULTS_FILE
+    faults_file = RunDir(args.run_dir).faults
     events = faults_from_file(faults_file).events if faults_file.exists() else ()
     plan = FaultPlan(events, args.run_dir, process, skip) if events else None
 

@@ -49,6 +49,7 @@ from typing import Any
 from diloco.codec import get_codec
 from diloco.errors import RemoteError
 from diloco.io import read_jsonl_tolerant
+from diloco.run_dir import RunDir
 
 KINDS = ("kill_site", "kill_coordinator", "slow_site", "drop_push", "partition_site", "poison_push", "diverge_site")
 _PHASES = {"kill_site": ("inner", "push", "pull"), "kill_coordinator": ("between", "mid")}
@@ -155,13 +156,9 @@ def faults_from_file(path: Path) -> FaultsConfig:
 
 
 # ---- firing ------------------------------------------------------------------------------
-FAULTS_FILE = "faults.json"  # the run's fault events, written by the simulator for its processes
-FIRED_FILE = "faults.jsonl"
-
-
 def read_fired(run_dir: Path) -> list[dict[str, Any]]:
     """The events that fired so far (a line each; a torn last line of a killed writer is skipped)."""
-    return read_jsonl_tolerant(run_dir / FIRED_FILE)
+    return read_jsonl_tolerant(RunDir(run_dir).faults_fired)
 
 
 class FaultPlan:
@@ -176,7 +173,7 @@ class FaultPlan:
 
     def record(self, index: int, **details: Any) -> None:
         line = {"event": index, "kind": self.events[index].kind, "process": self.process, "time": time.time(), **details}
-        with self._lock, open(self.run_dir / FIRED_FILE, "a") as f:
+        with self._lock, open(RunDir(self.run_dir).faults_fired, "a") as f:
             f.write(json.dumps(line, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())

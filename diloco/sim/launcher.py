@@ -14,20 +14,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from diloco.app.config import RunConfig, run_config_to_dict
+from diloco.app.config import ConfigError, RunConfig, run_config_from_dict, run_config_to_dict
+from diloco.app.preset import apply_preset
 from diloco.data import load_corpus
 from diloco.io import write_json_atomic
 from diloco.observe.logs import log_at
 from diloco.observe.progress import ProgressConfig
-from diloco.observe.rundata import PLOTS_DIR
 from diloco.observe.status_page import access_hint
-from diloco.observe.tensorboard import TB_DIR
+from diloco.run_dir import RunDir
 from diloco.security.store import write_run_credentials
-from diloco.sim.faults import FAULTS_FILE, FIRED_FILE, FaultsConfig, faults_to_dict
+from diloco.sim.faults import FaultsConfig, faults_to_dict
 from diloco.sim.links import WanPlan
 from diloco.sim.processes import (
     CHILD,
-    PIDS_FILE,
     SITE_NICE,
     Proc,
     SimError,
@@ -43,16 +42,12 @@ from diloco.sim.processes import (
 )
 from diloco.sim.sections import check_before_start, sim_faults
 from diloco.sim.summary import summarize
-from diloco.sim.supervise import SITES_DONE_FILE, live_progress, supervise
+from diloco.sim.supervise import live_progress, supervise
 from diloco.sim.zygote import Zygote
 from diloco.site.device import resolve_device
+from diloco.sync import Preset
 
 __all__ = ["SimError", "SimStopped", "run_simulation"]
-
-
-CREDENTIALS_DIR = "credentials"  # the run's credentials a simulation makes (diloco-certs' layout)
-PROM_DIR = "prometheus"  # <run dir>/prometheus/<process>.json: where each process serves /metrics
-STATUS_FILE = "status_page.json"  # <run dir>/status_page.json: where the coordinator serves its status page
 
 
 def run_simulation(
@@ -132,15 +127,17 @@ def _run(
     cfg: RunConfig, run_dir: Path, say: Callable[[str], None], zygote: Zygote | None, timeout_s: float, resume: bool, faults: FaultsConfig | Mapping[str, Any] | None,
     credentials: bool, wan: WanPlan | None, plots: bool, metrics_port: int | None, status_port: int | None, live: ProgressConfig | None,
 ) -> dict[str, Any]:  # fmt: skip
+    rd = RunDir(run_dir)
+    cfg = _with_preset(cfg, rd, wan, resume, say)
     # Fail on bad data here, before any process starts (DataError names the path).
     load_corpus(cfg.data, cfg.model.context, num_shards=cfg.workers)
     check_before_start(cfg)
     faults = faults if isinstance(faults, FaultsConfig) else sim_faults(faults, cfg)
     if credentials and cfg.mode == "diloco" and cfg.security.dir is None:
-        cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, dir=str(run_dir / CREDENTIALS_DIR)))
+        cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, dir=str(rd.credentials_dir)))
     config_path = _prepare_run_dir(cfg, run_dir, faults, resume)
-    if credentials and cfg.security.dir == str(run_dir / CREDENTIALS_DIR) and not (resume and (run_dir / CREDENTIALS_DIR / "ca.pem").exists()):
-        write_run_credentials(run_dir / CREDENTIALS_DIR, [str(s) for s in range(cfg.sites)], hosts=["localhost", "127.0.0.1"], days=30, force=True)
+    if credentials and cfg.security.dir == str(rd.credentials_dir) and not (resume and (rd.credentials_dir / "ca.pem").exists()):
+        write_run_credentials(rd.credentials_dir, [str(s) for s in range(cfg.sites)], hosts=["localhost", "127.0.0.1"], days=30, force=True)
     procs: list[Proc] = []
     start = time.monotonic()
     # SIGTERM must unwind through the finally below, which stops every child.
@@ -156,10 +153,28 @@ def _run(
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     summary = summarize(cfg, run_dir, wall_s=time.monotonic() - start, wan=wan)
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_json_atomic(rd.summary, summary)
     if plots:
         _plot(run_dir, say)
     return summary
+
+
+def _with_preset(cfg: RunConfig, rd: RunDir, wan: WanPlan | None, resume: bool, say: Callable[[str], None]) -> RunConfig:
+    """The run with what ``sync.preset`` chooses (diloco.app.preset) for its link: the slowest
+    emulated site's; a resumed run keeps what the preset chose when it started (config.json)."""
+    if cfg.sync.preset == Preset.NONE or cfg.mode != "diloco":
+        return cfg
+    if resume and rd.config.exists():
+        saved = run_config_from_dict(json.loads(rd.config.read_text()))
+        return dataclasses.replace(cfg, sync=saved.sync, codec=saved.codec, codec_down=saved.codec_down)
+    link = None
+    if wan is not None and wan.sites:
+        rates = [min(x for x in (s.up_mbit, s.down_mbit) if x is not None) for s in wan.sites.values() if s.up_mbit is not None or s.down_mbit is not None]
+        link = (min(rates), max(s.rtt_ms for s in wan.sites.values())) if rates else None
+    try:
+        return apply_preset(cfg, link=link, shared_cores=True, log=say)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _plot(run_dir: Path, say: Callable[[str], None]) -> None:
@@ -168,7 +183,7 @@ def _plot(run_dir: Path, say: Callable[[str], None]) -> None:
         from diloco.observe.plots import plot_run  # matplotlib: only now
 
         plot_run(run_dir)
-        say(f"plots: {run_dir / PLOTS_DIR}")
+        say(f"plots: {RunDir(run_dir).plots_dir}")
     except Exception as e:  # noqa: BLE001 - a plot must never fail or lose a finished run
         log_at(say, logging.WARNING, f"plots not made ({type(e).__name__}: {e}); the run's results are complete")
 
@@ -177,20 +192,20 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume
     """Clears what a previous run left (or, resuming, checks it is this run's) and writes the
     config and fault files every process reads; returns the config file."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.json"
-    for stale in ("global.json", "summary.json", "coordinator.port.json", STATUS_FILE, PIDS_FILE):
-        (run_dir / stale).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / PROM_DIR, ignore_errors=True)  # the addresses of processes gone
+    rd = RunDir(run_dir)
+    for stale in rd.stale_files:
+        stale.unlink(missing_ok=True)
+    shutil.rmtree(rd.prometheus_dir, ignore_errors=True)  # the addresses of processes gone
     if resume:
         _check_resumable(cfg, run_dir)
     else:
-        for stale in ("metrics.jsonl", FIRED_FILE):
-            (run_dir / stale).unlink(missing_ok=True)
-        for stale_dir in ("checkpoints", "progress", "workers", "logs", PLOTS_DIR, TB_DIR, CREDENTIALS_DIR):
-            shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
-    write_json_atomic(config_path, run_config_to_dict(cfg))
-    write_json_atomic(run_dir / FAULTS_FILE, faults_to_dict(faults))
-    return config_path
+        for stale in (rd.metrics, rd.faults_fired):
+            stale.unlink(missing_ok=True)
+        for stale_dir in rd.stale_dirs:
+            shutil.rmtree(stale_dir, ignore_errors=True)
+    write_json_atomic(rd.config, run_config_to_dict(cfg))
+    write_json_atomic(rd.faults, faults_to_dict(faults))
+    return rd.config
 
 
 def _start_processes(
@@ -199,25 +214,26 @@ def _start_processes(
 ) -> None:  # fmt: skip
     """Starts the run's processes, appending each to ``procs`` as it starts (so that the caller
     stops every one of them, whatever fails here)."""
+    rd = RunDir(run_dir)
 
     def metrics(process: str, port: int) -> list[str]:
-        return [] if metrics_port is None else ["--metrics-port", str(port), "--metrics-file", str(run_dir / PROM_DIR / f"{process}.json")]
+        return [] if metrics_port is None else ["--metrics-port", str(port), "--metrics-file", str(rd.prometheus(process))]
 
     base = CHILD
     if cfg.mode == "diloco":
-        port_file = run_dir / "coordinator.port.json"
+        port_file = rd.coordinator_port
         site_port_files = {str(s): port_file for s in range(cfg.sites)}
         if wan is not None:
             site_port_files = start_wan(wan, run_dir, port_file, procs, deadline=start + 60)
             say(f"WAN emulation: {describe_wan(wan)}")
         # Checkpoints every round: a coordinator killed by a fault resumes from them.
-        (run_dir / SITES_DONE_FILE).unlink(missing_ok=True)  # a resumed run's sites are about to start again
+        rd.sites_done.unlink(missing_ok=True)  # a resumed run's sites are about to start again
         coordinator = base + [
-            "coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(run_dir / "checkpoints" / "coordinator"),
-            "--sites-done-file", str(run_dir / SITES_DONE_FILE), *metrics("coordinator", metrics_port or 0),
+            "coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(rd.coordinator_checkpoints),
+            "--sites-done-file", str(rd.sites_done), *metrics("coordinator", metrics_port or 0),
         ]  # fmt: skip
         if status_port is not None:
-            coordinator += ["--status-port", str(status_port), "--status-file", str(run_dir / STATUS_FILE)]
+            coordinator += ["--status-port", str(status_port), "--status-file", str(rd.status_page)]
         procs.append(start_process("coordinator", coordinator, run_dir, next_incarnation(run_dir, "coordinator"), fired_events(run_dir), zygote=zygote))
         # The sites start at the same time (importing torch, building the model and the
         # data take most of a start) and connect once the coordinator's port file exists.
@@ -235,7 +251,7 @@ def _start_processes(
                 "--coordinator-port-file",
                 str(site_port_files[str(s)]),
                 "--checkpoint-dir",
-                str(run_dir / "checkpoints" / f"site-{s}"),
+                str(rd.site_checkpoints(s)),
                 *metrics(f"site-{s}", 0),
             ]
             # Behind the emulator, sites yield the cores to it: its deliveries (the links' RTT)
@@ -251,16 +267,16 @@ def _start_processes(
         say(f"coordinator on 127.0.0.1:{port}; {cfg.sites} site(s) started")
         if metrics_port is not None:
             # Written before the port file; a restarted coordinator serves /metrics where it did.
-            where = json.loads((run_dir / PROM_DIR / "coordinator.json").read_text())
+            where = json.loads(rd.prometheus("coordinator").read_text())
             coordinator_proc.cmd += ["--metrics-port", str(where["port"])]
-            say(f"Prometheus metrics: coordinator {where['url']}; each site's address in {run_dir / PROM_DIR}/site-<id>.json")
+            say(f"Prometheus metrics: coordinator {where['url']}; each site's address in {rd.prometheus_dir}/site-<id>.json")
         if status_port is not None:
             # Written before the port file; a restarted coordinator serves the page where it did.
-            page = json.loads((run_dir / STATUS_FILE).read_text())
+            page = json.loads(rd.status_page.read_text())
             coordinator_proc.cmd += ["--status-port", str(page["port"])]
-            say(f"status page: {page['url']}{access_hint(cfg.security)} (address in {run_dir / STATUS_FILE})")
+            say(f"status page: {page['url']}{access_hint(cfg.security)} (address in {rd.status_page})")
     else:
-        init_file = run_dir / "pg_init"
+        init_file = rd.pg_init
         init_file.unlink(missing_ok=True)
         for rank in range(cfg.workers):
             args = ["worker", *common, "--rank", str(rank), "--world-size", str(cfg.workers), "--init-file", str(init_file)]
@@ -270,8 +286,8 @@ def _start_processes(
 def _check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     if cfg.mode != "diloco":
         raise SimError(f"only mode=diloco runs can be resumed (mode={cfg.mode} keeps no checkpoints)")
-    config_path = run_dir / "config.json"
-    if not config_path.exists() or not (run_dir / "checkpoints").is_dir():
+    config_path = RunDir(run_dir).config
+    if not config_path.exists() or not RunDir(run_dir).checkpoints_dir.is_dir():
         raise SimError(f"nothing to resume in {run_dir}: no config.json or checkpoints/ (start it without resume)")
     saved = json.loads(config_path.read_text())
     if saved != run_config_to_dict(cfg):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from diloco.io import write_json_atomic
+from diloco.run_dir import RunDir
 from diloco.sim.faults import read_fired
 from diloco.sim.links import LinkSpec, WanPlan
 from diloco.sim.zygote import Forked, Zygote, die_with_parent
@@ -49,14 +50,13 @@ class Proc:
     zygote: Zygote | None = field(default=None, repr=False)  # what it was forked from (and is again when restarted)
 
 
-WAN_DIR = "wan"  # the emulator's spec, the ports it listens on (one per site), its stats
 SITE_NICE = 10
 
 
 def start_wan(wan: WanPlan, run_dir: Path, upstream: Path, procs: list[Proc], deadline: float) -> dict[str, Path]:
     """Starts the WAN emulator between the sites and the coordinator; returns, per site, the
     port file it reads its coordinator address from (the emulator's port for its link)."""
-    wan_dir = run_dir / WAN_DIR
+    wan_dir = RunDir(run_dir).wan_dir
     shutil.rmtree(wan_dir, ignore_errors=True)
     wan_dir.mkdir(parents=True)
     spec = {
@@ -115,7 +115,6 @@ def child_env() -> dict[str, str]:
 
 
 CHILD = [sys.executable, "-m", "diloco.sim.child"]  # a process the zygote can fork
-PIDS_FILE = "pids.json"  # each process's pid, by name (the last incarnation's)
 
 
 def start_process(
@@ -123,7 +122,7 @@ def start_process(
     zygote: Zygote | None = None,
 ) -> Proc:  # fmt: skip
     suffix = f".{incarnation}" if incarnation else ""
-    log_path = run_dir / "logs" / (name.replace(" ", "") + suffix + ".log")
+    log_path = RunDir(run_dir).log(name.replace(" ", ""), suffix)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "wb")
     env = child_env()
@@ -140,7 +139,7 @@ def start_process(
         popen = subprocess.Popen(
             cmd + args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=child_setup(nice), start_new_session=True
         )
-    pids = run_dir / PIDS_FILE
+    pids = RunDir(run_dir).pids
     write_json_atomic(pids, {**(json.loads(pids.read_text()) if pids.exists() else {}), name: popen.pid})
     return Proc(name, popen, log_path, log_file, cmd=list(cmd), incarnation=incarnation, nice=nice, zygote=zygote)
 
@@ -157,7 +156,7 @@ def child_setup(nice: int) -> Callable[[], None]:
 def next_incarnation(run_dir: Path, name: str) -> int:
     """0 for a fresh run; after a resume, one more than the process's last log."""
     base = name.replace(" ", "")
-    logs = [p.stem for p in (run_dir / "logs").glob("*.log") if p.stem == base or p.stem.startswith(base + ".")]
+    logs = [p.stem for p in RunDir(run_dir).logs_dir.glob("*.log") if p.stem == base or p.stem.startswith(base + ".")]
     if not logs:
         return 0
     return 1 + max(int(stem.split(".")[1]) if "." in stem else 0 for stem in logs)

@@ -9,18 +9,20 @@ from typing import Any
 from diloco.app import records
 from diloco.app.config import RunConfig
 from diloco.app.records import GlobalRecord, MetricsLine, ProgressRecord, Summary, WorkerRecord
+from diloco.run_dir import RunDir
 from diloco.sim.faults import read_fired
 from diloco.sim.links import WanPlan
 
 
 def summarize(cfg: RunConfig, run_dir: Path, wall_s: float, wan: WanPlan | None = None) -> dict[str, Any]:
-    g = records.read(run_dir / "global.json", GlobalRecord)
-    workers = {p.stem: records.read(p, WorkerRecord) for p in sorted((run_dir / "workers").glob("*.json"))}
-    metrics = records.read_metrics(run_dir / "metrics.jsonl")
+    rd = RunDir(run_dir)
+    g = records.read(rd.global_record, GlobalRecord)
+    workers = {p.stem: records.read(p, WorkerRecord) for p in sorted(rd.workers_dir.glob("*.json"))}
+    metrics = records.read_metrics(rd.metrics)
     site_hashes = {sid: w.global_sha256 for sid, w in sorted(workers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
     # Goodput: tokens in committed (not rejected) rounds over every token any site trained,
     # counting the work of killed processes and dropped rounds (progress/<site>.<incarnation>).
-    trained = sum(records.read(p, ProgressRecord).tokens for p in (run_dir / "progress").glob("*.json"))
+    trained = sum(records.read(p, ProgressRecord).tokens for p in rd.progress_dir.glob("*.json"))
     committed = sum(m.tokens + sum(p["tokens"] for p in m.merged) for m in metrics if not m.rejected)
     summary = Summary(
         mode=cfg.mode,

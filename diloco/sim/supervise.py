@@ -13,10 +13,9 @@ from typing import Any
 from diloco.app.config import RunConfig
 from diloco.io import read_jsonl
 from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, read_positions
+from diloco.run_dir import RunDir
 from diloco.sim.faults import read_fired
 from diloco.sim.processes import Proc, SimError, failure, fired_events, is_torchrun, start_process
-
-SITES_DONE_FILE = "sites_done"  # <run dir>/sites_done: touched once every site process has exited (the coordinator stops lingering)
 
 
 def live_progress(cfg: RunConfig, live: ProgressConfig | None, say: Callable[[str], None]) -> LiveProgress:
@@ -33,7 +32,7 @@ def supervise(procs: list[Proc], run_dir: Path, cfg: RunConfig, deadline: float,
     shown = 0
     handled = 0  # fired fault events already read
     kills: list[dict[str, Any]] = []  # planned kills whose process has not been seen dead yet
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics
     while True:
         fired = read_fired(run_dir)
         for event in fired[handled:]:
@@ -66,14 +65,14 @@ def supervise(procs: list[Proc], run_dir: Path, cfg: RunConfig, deadline: float,
             say(progress_line(line, cfg))
         shown = len(lines)
         if live is not None and live.enabled:
-            live.update(shown, read_positions(run_dir / "progress"))  # the open round's inner steps
+            live.update(shown, read_positions(RunDir(run_dir).progress_dir))  # the open round's inner steps
         done = [p.service or p.gone or (p.restart_at is None and p.popen.poll() == 0) for p in procs]
         if all(done):
             return
         if cfg.mode == "diloco" and all(d for p, d in zip(procs, done) if p.name != "coordinator"):
             # No site is left to come back (killed for good, or left): the coordinator need not
             # wait its linger_s for them after the last round.
-            (run_dir / SITES_DONE_FILE).touch()
+            RunDir(run_dir).sites_done.touch()  # the coordinator stops lingering
         if time.monotonic() > deadline:
             running = ", ".join(p.name for p in procs if p.popen.poll() is None)
             raise SimError(f"the run did not finish before sim.timeout_s; still running: {running}")

@@ -46,6 +46,13 @@ class FragmentSplit(enum.StrEnum):
     BALANCED = "balanced"  # equal sizes: each tensor, largest first, to the smallest fragment
 
 
+class Preset(enum.StrEnum):
+    """A word for a whole choice of the sync keys."""
+
+    NONE = "none"  # the keys as they are written
+    HIDE_LINK = "hide_link"  # diloco-plan's model chooses fragments, τ, the merge and the codecs for the run's link (diloco.app.preset)
+
+
 class FragmentEnd(enum.StrEnum):
     FLUSH = "flush"  # fragments 0..F-2 train to the last step, then F − 1 flush rounds sync them
     FREEZE = "freeze"  # each fragment stops training at its last push: no flush rounds
@@ -82,6 +89,13 @@ class SyncConfig:
         None, doc="mode=eager or merge=ahead: the own Δ's weight in [0, 1] in place of the mean still in flight; null: 0.5 (eager), 0 (ahead)"
     )
     streams: int = setting(1, doc="connection striping: each push and pull over this many concurrent streams (TCP connections); a site's own choice")
+    preset: Preset = setting(
+        Preset.NONE,
+        doc="none | hide_link: diloco-plan's model chooses fragments, overlap, merge and codecs for the link (keys set by hand stay); config.json records the choice",
+    )
+    link_mbit: float | None = setting(None, doc="preset=hide_link: each site's link, Mbit/s each way; null: diloco-sim's emulated one (wan.*)")
+    link_rtt_ms: float | None = setting(None, doc="preset=hide_link: the round-trip time site <-> coordinator, ms; null: diloco-sim's emulated one")
+    step_s: float | None = setting(None, doc="preset=hide_link: seconds of one inner step at a site; null: measured on this machine (diloco-sim)")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -89,7 +103,7 @@ class SyncConfig:
         integer(self.fragments, "sync.fragments", 1)
         integer(self.overlap, "sync.overlap", 0)
         integer(self.streams, "sync.streams", 1, 64)
-        for name, kind in (("split", FragmentSplit), ("end", FragmentEnd), ("merge", Merge), ("mode", SyncMode)):
+        for name, kind in (("split", FragmentSplit), ("end", FragmentEnd), ("merge", Merge), ("mode", SyncMode), ("preset", Preset)):
             set_(self, name, choice(kind, getattr(self, name), f"sync.{name}"))
         if self.budget_s is not None and (isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float)) or not self.budget_s > 0):
             raise ValueError(f"sync.budget_s={self.budget_s!r}: must be null or a number of seconds > 0")
@@ -98,6 +112,12 @@ class SyncConfig:
                 raise ValueError(f"sync.schedule={self.schedule!r}: must be a list of H values, e.g. [10, 25, {self.every}]")
             set_(self, "schedule", tuple(self.schedule))
         fraction(self.lookahead_weight, "sync.lookahead_weight", none="eager 0.5, ahead 0")
+        for name in ("link_mbit", "link_rtt_ms", "step_s"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (name != "link_rtt_ms" and value == 0)
+            ):
+                raise ValueError(f"sync.{name}={value!r}: must be null or a number > 0" + (" (>= 0 for the RTT)" if name == "link_rtt_ms" else ""))
         weight = fraction(self.local_weight, "sync.local_weight", none="0.5 with overlap, else 0")
         set_(self, "local_weight", (0.5 if self.overlap > 0 else 0.0) if weight is None else weight)
         why = self._combination_problem()

@@ -197,3 +197,19 @@ def test_streaming_with_striping_through_emulated_links(tmp_path: Path) -> None:
         assert stats[site]["bytes_up"] >= run.json(f"workers/{site}.json")["bytes_up"]
         assert stats[site]["connections"] >= 2  # the second stream is a connection of its own
     assert "WAN emulation: each site 50.0/50.0 Mbit/s up/down, RTT 20 ms" in run.stdout
+
+
+@pytest.mark.timeout(200)
+def test_the_hide_link_preset_chooses_for_the_stated_link_and_config_json_says_what(tmp_path: Path) -> None:
+    # 2 sites of model=tiny (3 layers), H=10, at a stated 10 Mbit/s and 100 ms with a 0.4 s step:
+    # blocking would compute about 60% of the time; the preset streams the sync behind training.
+    run = run_ok(
+        tmp_path / "run", "sites=2", "rounds=2", "sync.every=10", "data.batch_size=4", "eval_every=100", "sync.preset=hide_link", "sync.link_mbit=10",
+        "sync.link_rtt_ms=100", "sync.step_s=0.4", timeout=180,
+    )  # fmt: skip
+    chosen = run.json("config.json")
+    sync = chosen["sync"]
+    assert sync["preset"] == "hide_link" and (sync["link_mbit"], sync["link_rtt_ms"], sync["step_s"]) == (10, 100, 0.4)
+    assert sync["fragments"] > 1 or sync["overlap"] > 0, sync
+    assert sync["merge"] == "ahead" and chosen["codec"]["name"] == "int8"
+    assert run.summary["hashes_equal"] and run.summary["rounds_committed"] == run.json("global.json")["rounds_committed"]
