@@ -44,3 +44,11 @@ def test_every_third_party_import_of_the_package_is_a_declared_dependency() -> N
             if not dists & allowed:
                 missing.append(f"{rel} imports {module} (distribution {', '.join(sorted(dists))})")
     assert not missing, "imported but not declared in pyproject.toml: " + "; ".join(missing)
+
+
+def test_every_package_of_the_source_tree_is_installed() -> None:
+    """pyproject.toml lists the packages (the configs are installed as diloco.conf): a package
+    missing there is missing from a non-editable install."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "diloco").rglob("__init__.py")}
+    assert found - listed == set(), f"packages not in pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
