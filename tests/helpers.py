@@ -224,20 +224,22 @@ def push(
 
 
 def coordinator(
-    params: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor] | None,
     cfg: CoordinatorConfig,
     *,
     outer: OuterConfig | None = None,
     sites: tuple[str, ...] = (),
     clock: Callable[[], float] | None = None,
 ) -> Coordinator:
-    """A coordinator holding ``params`` as θ_0 (outer: OuterConfig() unless given; clock: the
-    real monotonic one unless given), with ``sites`` joined."""
+    """A coordinator holding ``params`` as θ_0 (None: none yet, init=site; outer: OuterConfig()
+    unless given; clock: the real monotonic one unless given), with ``sites`` joined."""
     from diloco.coordinator import Coordinator
     from diloco.outer import OuterConfig
 
     coord = Coordinator(params, outer if outer is not None else OuterConfig(), cfg, **({"clock": clock} if clock is not None else {}))
-    join(coord, params, *sites)
+    if sites:
+        assert params is not None, "sites join with θ_0's fingerprint"
+        join(coord, params, *sites)
     return coord
 
 
