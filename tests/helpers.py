@@ -164,6 +164,13 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 # ---- θ, pseudo-gradients and a coordinator to push them to ---------------------------------
 
 
+def generator(seed: int = 0) -> torch.Generator:
+    """A torch generator seeded with ``seed``: the same draws on every run."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
 def theta(shapes: Mapping[str, tuple[int, ...]], seed: int | None = None) -> dict[str, torch.Tensor]:
     """float32 tensors of ``shapes``, the same on every call: with ``seed``, standard normal
     values drawn in the order of ``shapes`` from one generator seeded with it; without, each
