@@ -181,7 +181,7 @@ def theta(shapes: Mapping[str, tuple[int, ...]], seed: int | None = None) -> dic
 
     if seed is None:
         return {n: torch.arange(math.prod(s), dtype=torch.float32).reshape(s) for n, s in shapes.items()}
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
@@ -202,7 +202,7 @@ def random_delta(like: Mapping[str, torch.Tensor], seed: int, scale: float = 0.0
     with ``seed``, drawn in the order of ``like``, times ``scale``."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     return {n: torch.randn(t.shape, generator=g) * scale for n, t in like.items()}
 
 
