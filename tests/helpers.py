@@ -1,5 +1,6 @@
-"""What tests of several tiers share: a fake clock, the repository root, and running
-diloco-sim as a user would (its console script, in its own process group)."""
+"""What tests of several tiers share: a fake clock, the repository root, running diloco-sim as
+a user would (its console script, in its own process group), and a coordinator made, joined,
+pushed to and served on 127.0.0.1 the way most coordinator tests need one."""
 
 from __future__ import annotations
 
@@ -10,12 +11,21 @@ import signal
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.coordinator import Coordinator, CoordinatorConfig
+    from diloco.outer import OuterConfig
+    from diloco.transport import CoordinatorClient
+    from diloco.types import JoinInfo, PushResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,9 +161,114 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
-def small_theta() -> dict[str, Any]:
-    """θ of two small tensors (a 4x3 weight and a bias of 3), the same on every call."""
+# ---- θ, pseudo-gradients and a coordinator to push them to ---------------------------------
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    """A torch generator seeded with ``seed``: the same draws on every run."""
     import torch
 
-    g = torch.Generator().manual_seed(1)
-    return {"layer.w": torch.randn(4, 3, generator=g), "layer.b": torch.randn(3, generator=g)}
+    return torch.Generator().manual_seed(seed)
+
+
+def theta(shapes: Mapping[str, tuple[int, ...]], seed: int | None = None) -> dict[str, torch.Tensor]:
+    """float32 tensors of ``shapes``, the same on every call: with ``seed``, standard normal
+    values drawn in the order of ``shapes`` from one generator seeded with it; without, each
+    tensor counts 0, 1, 2, ... through its elements (values a test can name)."""
+    import math
+
+    import torch
+
+    if seed is None:
+        return {n: torch.arange(math.prod(s), dtype=torch.float32).reshape(s) for n, s in shapes.items()}
+    g = generator(seed)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def small_theta() -> dict[str, Any]:
+    """θ of two small tensors (a 4x3 weight and a bias of 3), the same on every call."""
+    return theta({"layer.w": (4, 3), "layer.b": (3,)}, seed=1)
+
+
+def filled(like: Mapping[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]:
+    """A pseudo-gradient shaped like ``like``, every element ``value``."""
+    import torch
+
+    return {n: torch.full_like(t, value) for n, t in like.items()}
+
+
+def random_delta(like: Mapping[str, torch.Tensor], seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
+    """A pseudo-gradient shaped like ``like``: standard normal values from a generator seeded
+    with ``seed``, drawn in the order of ``like``, times ``scale``."""
+    import torch
+
+    g = generator(seed)
+    return {n: torch.randn(t.shape, generator=g) * scale for n, t in like.items()}
+
+
+def join(target: Coordinator | CoordinatorClient, params: Mapping[str, torch.Tensor], *sites: str) -> list[JoinInfo]:
+    """Joins each of ``sites`` (in order) to a coordinator, in process or through a client,
+    with the fingerprint of ``params``; returns what each join answered."""
+    from diloco.types import JoinRequest
+    from diloco.wire.fingerprint import fingerprint
+
+    specs = tuple(fingerprint(params).values())
+    return [target.join(JoinRequest(s, specs)) for s in sites]
+
+
+def push(
+    target: Coordinator | CoordinatorClient, site: str, round: int, delta: Mapping[str, torch.Tensor], *, tokens: int = 10, codec: str = "fp32", **header: Any
+) -> PushResult:
+    """``site``'s push of ``delta`` for ``round``, to a coordinator in process or through a
+    client: train loss 1.0, one inner step (``header`` sets those or any other PushHeader
+    field), the chunks encoded with ``codec`` as the push streams."""
+    from diloco.codec import get_codec
+    from diloco.types import PushHeader
+    from diloco.wire import encode_chunks
+
+    fields = {"train_loss": 1.0, "inner_steps": 1, **header}
+    return target.push(PushHeader(site_id=site, round=round, tokens=tokens, **fields), encode_chunks(delta, codec=get_codec(codec)))
+
+
+def coordinator(
+    params: Mapping[str, torch.Tensor] | None,
+    cfg: CoordinatorConfig,
+    *,
+    outer: OuterConfig | None = None,
+    sites: tuple[str, ...] = (),
+    clock: Callable[[], float] | None = None,
+) -> Coordinator:
+    """A coordinator holding ``params`` as θ_0 (None: none yet, init=site; outer: OuterConfig()
+    unless given; clock: the real monotonic one unless given), with ``sites`` joined."""
+    from diloco.coordinator import Coordinator
+    from diloco.outer import OuterConfig
+
+    coord = Coordinator(params, outer if outer is not None else OuterConfig(), cfg, **({"clock": clock} if clock is not None else {}))
+    if sites:
+        assert params is not None, "sites join with θ_0's fingerprint"
+        join(coord, params, *sites)
+    return coord
+
+
+@contextmanager
+def served_coordinator(coord: Coordinator, **serve_options: Any) -> Iterator[str]:
+    """``coord`` behind a real gRPC server on 127.0.0.1:<a free port> (``serve_options``:
+    diloco.transport.serve's security, limits, observer...); yields its address and stops the
+    server when the block ends."""
+    from diloco.transport import serve
+
+    server, port = serve(coord, "127.0.0.1", 0, **serve_options)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None).wait(5)
+
+
+@contextmanager
+def served_client(coord: Coordinator, **serve_options: Any) -> Iterator[CoordinatorClient]:
+    """A client (10 s timeouts) of ``coord`` served as served_coordinator serves it; the client
+    is closed before the server stops."""
+    from diloco.transport import CoordinatorClient
+
+    with served_coordinator(coord, **serve_options) as address, CoordinatorClient(address, timeout_s=10, connect_timeout_s=10) as client:
+        yield client

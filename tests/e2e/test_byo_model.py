@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ok
+from helpers import coordinator, join, push, run_ok, served_coordinator
 
 from diloco.app.config import ConfigError, InitConfig, RunConfig
 from diloco.app.coordinator import initial_params
@@ -28,7 +28,7 @@ from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, params_sha256
 from diloco.sim.sections import check_before_start
 from diloco.sync import SyncConfig
-from diloco.transport import CoordinatorClient, RemoteError, serve
+from diloco.transport import CoordinatorClient, RemoteError
 from diloco.types import JoinRequest, PushHeader
 from diloco.wire import encode_chunks
 from diloco.wire.fingerprint import fingerprint
@@ -106,9 +106,10 @@ def test_init_site_standalone_coordinator_with_two_user_loops(tmp_path: Path) ->
 # ---- θ₀ in process: the election, refusals, restarts, files ------------------------------
 
 
-def _coordinator(tmp_path: Path | None = None, **kw: object) -> Coordinator:
+def _coordinator_awaiting_theta0(tmp_path: Path | None = None, **kw: object) -> Coordinator:
+    """A coordinator with no θ₀ (init=site): the first site that joins and can upload sends it."""
     cfg = CoordinatorConfig(total_rounds=2, min_sites=1, quorum=QuorumConfig(lease_s=30.0), checkpoint_dir=str(tmp_path / "ckpt") if tmp_path else None, **kw)  # type: ignore[arg-type]
-    return Coordinator(None, OuterConfig(), cfg)
+    return coordinator(None, cfg)
 
 
 def _upload(coord: Coordinator, site: str, params: dict[str, torch.Tensor], codec: str = "fp32") -> None:
@@ -122,7 +123,7 @@ def _params(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(60)
 def test_a_refused_source_leaves_the_role_to_the_next_site_and_theta_unset() -> None:
-    coord = _coordinator()
+    coord = _coordinator_awaiting_theta0()
     good = _params(0)
     specs = list(fingerprint(good).values())
     assert coord.join(JoinRequest("a", tuple(specs), can_upload=True)).upload_init
@@ -148,7 +149,7 @@ def test_a_refused_source_leaves_the_role_to_the_next_site_and_theta_unset() -> 
 
 @pytest.mark.timeout(60)
 def test_two_sites_joining_at_once_elect_one_source_and_the_other_waits() -> None:
-    coord = _coordinator()
+    coord = _coordinator_awaiting_theta0()
     specs = list(fingerprint(_params(0)).values())
     infos: dict[str, object] = {}
     barrier = threading.Barrier(2)
@@ -178,12 +179,12 @@ def test_two_sites_joining_at_once_elect_one_source_and_the_other_waits() -> Non
 def test_restarted_coordinator_never_asks_for_theta0_again(tmp_path: Path) -> None:
     from diloco.checkpoint import load_latest
 
-    coord = _coordinator(tmp_path)
+    coord = _coordinator_awaiting_theta0(tmp_path)
     good = _params(3)
     specs = list(fingerprint(good).values())
     coord.join(JoinRequest("a", tuple(specs), can_upload=True))
     _upload(coord, "a", good)
-    restarted = _coordinator(tmp_path)
+    restarted = _coordinator_awaiting_theta0(tmp_path)
     restarted.restore(load_latest(tmp_path / "ckpt").state)  # type: ignore[union-attr]
     assert restarted.ready and restarted.global_sha256() == params_sha256(good) and restarted.init_from == "site 'a'"
     assert not restarted.join(JoinRequest("b", tuple(specs), can_upload=True)).upload_init
@@ -232,15 +233,12 @@ def test_bad_init_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"init.path=.*other.safetensors: does not fit model=tiny: 'norm.weight'"):
         check_before_start(cfg)
     theta0, source = initial_params(cfg)
-    coord = Coordinator(theta0, OuterConfig(), CoordinatorConfig(total_rounds=1, init_source=source))
-    server, port = serve(coord, "127.0.0.1", 0)
-    try:
-        with CoordinatorClient(f"127.0.0.1:{port}", connect_timeout_s=10) as client:
+    coord = coordinator(theta0, CoordinatorConfig(total_rounds=1, init_source=source))
+    with served_coordinator(coord) as address:
+        with CoordinatorClient(address, connect_timeout_s=10) as client:
             with pytest.raises(RemoteError, match=r"invalid_argument: .*θ₀ from init.path=.*other.safetensors.*'norm.weight'"):
-                client.join(JoinRequest("0", tuple(fingerprint(_params(0)).values())))
+                join(client, _params(0), "0")
             assert client.join(JoinRequest("1", tuple(fingerprint(other).values()))).total_rounds == 1  # the coordinator serves on
-    finally:
-        server.stop(grace=None).wait(5)
     assert coord.global_sha256() == params_sha256(other)
 
 
@@ -328,23 +326,20 @@ def test_a_push_with_a_bad_evaluation_is_refused_and_changes_nothing() -> None:
     from diloco.types import SiteEval
 
     params = _params(0)
-    coord = Coordinator(params, OuterConfig(), CoordinatorConfig(total_rounds=2, min_sites=1, site_eval_every=1))
-    coord.join(JoinRequest("a", tuple(list(fingerprint(params).values()))))
+    coord = coordinator(params, CoordinatorConfig(total_rounds=2, min_sites=1, site_eval_every=1), sites=("a",))
     delta = {n: torch.full_like(p, 1e-3) for n, p in params.items()}
     for bad, why in (
         (SiteEval(round=0, loss=1.0, tokens=10), r"eval_round=0; committed rounds are 0..-1"),
         (SiteEval(round=-1, loss=1.0, tokens=10), "eval_round=-1"),
     ):
-        header = PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
         with pytest.raises(CoordinatorError, match=why):
-            coord.push(header, encode_chunks(delta, codec=get_codec("fp32")))
+            push(coord, "a", 0, delta, tokens=5, eval=bad)
     assert coord.committed_rounds == 0 and coord.global_sha256() == params_sha256(params)
-    coord.push(PushHeader(site_id="a", round=0, tokens=5, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
+    push(coord, "a", 0, delta, tokens=5)
     for bad, why in ((SiteEval(round=0, loss=float("nan"), tokens=10), "eval_loss=nan"), (SiteEval(round=0, loss=1.0, tokens=0), "eval_tokens=0")):
-        header = PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=bad)
         with pytest.raises(CoordinatorError, match=why):
-            coord.push(header, encode_chunks(delta, codec=get_codec("fp32")))
+            push(coord, "a", 1, delta, tokens=5, eval=bad)
     assert coord.committed_rounds == 1 and coord.site_eval(0) is None
     good = SiteEval(round=0, loss=2.0, tokens=10)
-    coord.push(PushHeader(site_id="a", round=1, tokens=5, train_loss=1.0, inner_steps=1, eval=good), encode_chunks(delta, codec=get_codec("fp32")))
+    push(coord, "a", 1, delta, tokens=5, eval=good)
     assert coord.site_eval(0) == {"loss": 2.0, "tokens": 10, "sites": ["a"]}

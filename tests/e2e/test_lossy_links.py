@@ -8,20 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import coordinator, push, theta
 
-from diloco.codec import get_codec, make_codec
-from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.codec import make_codec
+from diloco.coordinator import CoordinatorConfig
 from diloco.model import build_model, model_config
 from diloco.outer import OuterConfig, apply_update, params_sha256
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire import ChunkAssembler
 from diloco.wire.chunks import encoded_bytes
 from diloco.wire.fingerprint import fingerprint
 
-
-def _theta() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    return {"w": torch.randn(64, 40, generator=g), "b": torch.randn(40, generator=g)}
+THETA = theta({"w": (64, 40), "b": (40,)}, seed=5)
 
 
 @pytest.mark.timeout(60)
@@ -30,18 +27,18 @@ def _theta() -> dict[str, torch.Tensor]:
 def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bool) -> None:
     rounds = 30
     # Outer SGD lr 1 without momentum: the proposed update is exactly −Δ, so we know it.
-    coord = Coordinator(
-        _theta(),
-        OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
+    coord = coordinator(
+        THETA,
         CoordinatorConfig(total_rounds=rounds, codec_down=codec, error_feedback_down=error_feedback),
+        outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
+        sites=("s",),
     )
-    coord.join(JoinRequest("s", tuple(fingerprint(_theta()).values())))
-    site = _theta()
+    site = {n: t.clone() for n, t in THETA.items()}
     g = torch.Generator().manual_seed(6)
     proposed_sum = {n: torch.zeros_like(t) for n, t in site.items()}
     for r in range(rounds):
         delta = {n: 1e-2 * torch.randn(t.shape, generator=g) for n, t in site.items()}
-        coord.push(PushHeader("s", r, 100, 1.0, 1), encode_chunks(delta, codec=get_codec("fp32")))
+        push(coord, "s", r, delta, tokens=100)
         for n in delta:
             proposed_sum[n] -= delta[n]
         asm = ChunkAssembler(fingerprint(site))
@@ -50,7 +47,7 @@ def test_downlink_error_feedback_and_bit_identity(codec: str, error_feedback: bo
             asm.add(c)
         apply_update(site, asm.finish())
         assert params_sha256(site) == coord.global_sha256()  # bit-identical every round
-    applied = {n: site[n] - _theta()[n] for n in site}
+    applied = {n: site[n] - THETA[n] for n in site}
     gap = max(float((applied[n] - proposed_sum[n]).abs().max()) for n in site)
     one_step = max(float(d.abs().max()) for d in delta.values())
     if error_feedback:

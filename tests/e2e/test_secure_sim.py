@@ -43,7 +43,7 @@ def test_a_poisoning_site_is_refused_named_and_the_run_goes_on(tmp_path: Path) -
         (refused,) = m["refused"]
         assert refused["site"] == "2" and refused["norm"] > 3 * refused["reference"] and "exceeds 3 ×" in refused["why"]
         assert m["tokens"] * 3 == lines[0]["tokens"] * 2 and m["participants"] == ["0", "1", "2"]  # counted: two of three
-    assert "site 2: 2 of its pushes refused so far" in (run.run_dir / "logs" / "coordinator.log").read_text()
+    assert json.loads((run.run_dir / "global.json").read_text())["refused_pushes"] == {"2": 3}  # the coordinator's own count, by site
     assert "not counted by the coordinator" in (run.run_dir / "logs" / "site2.log").read_text()
 
 
@@ -64,4 +64,4 @@ def test_a_site_whose_inner_phase_diverges_withholds_that_round_and_trains_on_fr
     assert all(m["update_norm"] < 1e3 for m in lines) and summary["final_eval_bpb"] < 10
     worker = json.loads((run.run_dir / "workers" / "2.json").read_text())
     assert worker["diverged_rounds"] == [1] and worker["dropped_rounds"] == []
-    assert "the inner phase diverged" in (run.run_dir / "logs" / "site2.log").read_text()
+    assert worker["round_sha256"] == {str(m["round"]): m["global_sha256"] for m in lines}  # it trained on from θ, every round

@@ -131,7 +131,7 @@ def test_diloco_three_sites_end_to_end(diloco_run: Run) -> None:
 
     logs = {p.name for p in (run.run_dir / "logs").iterdir()}
     assert {"coordinator.log", "site0.log", "site1.log", "site2.log"} <= logs
-    assert "coordinator done: 3 rounds" in (run.run_dir / "logs" / "coordinator.log").read_text()
+    assert run.json("global.json")["rounds_committed"] == ROUNDS  # the coordinator's own report, written when it stopped
     assert '"hashes_equal": true' in run.stdout
 
 
@@ -316,9 +316,9 @@ def test_site_death_fails_run_and_cleans_up(tmp_path: Path) -> None:
     with open(out_path, "w") as out, open(err_path, "w") as err:
         popen = subprocess.Popen(cmd, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True)
     try:
-        site_log = run_dir / "logs" / "site1.log"
+        progress = run_dir / "progress" / "1.0.json"  # written after each inner step: site 1 has joined and trains
         deadline = time.monotonic() + 90
-        while not (site_log.exists() and "joined" in site_log.read_text(errors="replace")):
+        while not progress.exists():
             assert popen.poll() is None, f"diloco-sim exited early (rc={popen.returncode}): {err_path.read_text()}"
             assert time.monotonic() < deadline, "site 1 did not join within 90 s"
             time.sleep(0.1)

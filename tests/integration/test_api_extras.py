@@ -13,20 +13,16 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from helpers import FakeClock
+from helpers import FakeClock, coordinator, join, push, served_coordinator
 
 from diloco.api import DiLoCo, RunFinished, RunFinishedWarning
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig, ShardSampler, load_corpus
 from diloco.model import build_model, lm_loss, model_config
-from diloco.outer import OuterConfig, RobustConfig, params_sha256
+from diloco.outer import RobustConfig, params_sha256
 from diloco.plugins.common import SiteSettings
-from diloco.transport import CoordinatorClient, serve
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
+from diloco.transport import CoordinatorClient
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = model_config("tiny", context=32, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64)
@@ -34,18 +30,14 @@ NOWHERE = "127.0.0.1:1"  # no coordinator: for checks that never connect
 
 
 @contextmanager
-def _coordinator(cfg: CoordinatorConfig, clock: FakeClock | None = None) -> Iterator[tuple[Coordinator, str, list]]:
+def _served_tiny_model(cfg: CoordinatorConfig, clock: FakeClock | None = None) -> Iterator[tuple[Coordinator, str, list]]:
     """A coordinator holding the tiny model's θ_0, served on 127.0.0.1:<free port>; yields it,
     its address and the list its committed RoundRecords are appended to."""
-    params = dict(build_model(MODEL, seed=0).named_parameters())
-    coord = Coordinator(params, OuterConfig(), cfg, **({"clock": clock} if clock is not None else {}))
+    coord = coordinator(dict(build_model(MODEL, seed=0).named_parameters()), cfg, clock=clock)
     records: list = []
     coord.on_commit.append(records.append)
-    server, port = serve(coord, "127.0.0.1", 0)
-    try:
-        yield coord, f"127.0.0.1:{port}", records
-    finally:
-        server.stop(grace=None).wait(5)
+    with served_coordinator(coord) as address:
+        yield coord, address, records
 
 
 def _loop() -> tuple[torch.nn.Module, torch.optim.Optimizer, ShardSampler]:
@@ -66,7 +58,7 @@ def test_per_step_tokens_reach_the_coordinator() -> None:
     """add_tokens (several calls per step: micro-batches), record_loss(tokens=) and the
     tokens_per_step fallback for a step with none added; a count added after the step counts
     toward the next one."""
-    with _coordinator(CoordinatorConfig(total_rounds=2)) as (coord, address, records):
+    with _served_tiny_model(CoordinatorConfig(total_rounds=2)) as (coord, address, records):
         model, optimizer, sampler = _loop()
         added: list[int] = []  # what each step should weigh
         with warnings.catch_warnings():
@@ -114,7 +106,7 @@ def _run_past_the_end(address: str, steps: int, after_last_round: str) -> tuple[
 
 
 def test_after_last_round_warn_warns_once_and_the_steps_stay_local() -> None:
-    with _coordinator(CoordinatorConfig(total_rounds=1)) as (coord, address, _):
+    with _served_tiny_model(CoordinatorConfig(total_rounds=1)) as (coord, address, _):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             dl, model, done = _run_past_the_end(address, 5, "warn")
@@ -129,7 +121,7 @@ def test_after_last_round_warn_warns_once_and_the_steps_stay_local() -> None:
 
 
 def test_after_last_round_raise_raises_on_the_first_step_after_it_and_still_leaves() -> None:
-    with _coordinator(CoordinatorConfig(total_rounds=1)) as (coord, address, _):
+    with _served_tiny_model(CoordinatorConfig(total_rounds=1)) as (coord, address, _):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RunFinishedWarning)
             with pytest.raises(RunFinished, match="last round") as info:
@@ -146,17 +138,16 @@ def test_a_dropped_round_shows_on_the_object() -> None:
     from θ and takes part in round 1."""
     clock = FakeClock()
     cfg = CoordinatorConfig(total_rounds=2, min_sites=1, quorum=QuorumConfig(lease_s=100, deadline="fixed", deadline_s=30))
-    with _coordinator(cfg, clock) as (coord, address, records):
+    with _served_tiny_model(cfg, clock) as (coord, address, records):
         theta0 = dict(build_model(MODEL, seed=0).named_parameters())
         zeros = {n: torch.zeros_like(p) for n, p in theta0.items()}
 
         def other_pushes(round: int) -> None:
-            header = PushHeader(site_id="other", round=round, tokens=10, train_loss=1.0, inner_steps=1)
-            assert other.push(header, encode_chunks(zeros, codec=get_codec("fp32"))).accepted
+            assert push(other, "other", round, zeros).accepted
 
         model, optimizer, sampler = _loop()
         with CoordinatorClient(address, timeout_s=30) as other:
-            other.join(JoinRequest("other", tuple(fingerprint(theta0).values())))
+            join(other, theta0, "other")
             with DiLoCo(model, optimizer, coordinator=address, site_id="late", sync_every=2) as dl:
                 other_pushes(0)
                 clock.t += 31  # past round 0's deadline
@@ -176,14 +167,14 @@ def test_a_dropped_round_shows_on_the_object() -> None:
 
 
 def test_a_clean_run_drops_nothing() -> None:
-    with _coordinator(CoordinatorConfig(total_rounds=1)) as (_, address, _records):
+    with _served_tiny_model(CoordinatorConfig(total_rounds=1)) as (_, address, _records):
         dl, _, _ = _run_past_the_end(address, 2, "raise")
     assert dl.dropped_rounds == dl.merged_rounds == [] and dl.rejoins == 0 and dl.finished
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
 def test_sync_settings_reach_outer_sync(error_feedback: bool) -> None:
-    with _coordinator(CoordinatorConfig(total_rounds=1)) as (coord, address, _):
+    with _served_tiny_model(CoordinatorConfig(total_rounds=1)) as (coord, address, _):
         model, optimizer, sampler = _loop()
         with DiLoCo(
             model, optimizer, coordinator=address, site_id="eu-1", sync_every=1, codec="int8",
@@ -201,7 +192,7 @@ def test_sync_settings_reach_outer_sync(error_feedback: bool) -> None:
         assert coord.committed_rounds == 1
 
         # The plug-ins take the same keywords (SiteSettings) and hand them on.
-        with _coordinator(CoordinatorConfig(total_rounds=1)) as (_, address2, _records):
+        with _served_tiny_model(CoordinatorConfig(total_rounds=1)) as (_, address2, _records):
             settings = SiteSettings(address2, "hf-1", 2, "int8", error_feedback=error_feedback, error_feedback_decay=0.25, round_timeout_s=9.0)
             site = settings.join(build_model(MODEL, seed=0))
             try:
@@ -276,14 +267,13 @@ def test_a_refused_push_still_applies_the_round_but_keeps_the_residual() -> None
     the round goes on without it, the site applies the round's update as usual, and its int8
     residual does not move on, since the Δ it came from did not count."""
     cfg = CoordinatorConfig(total_rounds=1, min_sites=2, robust=RobustConfig(norm_ratio=2, min_history=1))
-    with _coordinator(cfg) as (coord, address, records):
+    with _served_tiny_model(cfg) as (coord, address, records):
         theta0 = dict(build_model(MODEL, seed=0).named_parameters())
         tiny = {n: torch.full_like(p, 1e-9) for n, p in theta0.items()}
         model, optimizer, sampler = _loop()
         with CoordinatorClient(address, timeout_s=30) as other:
-            other.join(JoinRequest("other", tuple(fingerprint(theta0).values())))
-            header = PushHeader(site_id="other", round=0, tokens=10, train_loss=1.0, inner_steps=1)
-            assert other.push(header, encode_chunks(tiny, codec=get_codec("fp32"))).accepted
+            join(other, theta0, "other")
+            assert push(other, "other", 0, tiny).accepted
             with DiLoCo(model, optimizer, coordinator=address, site_id="big", sync_every=2, codec="int8") as dl:
                 for _ in range(2):
                     _forward_backward(model, sampler)

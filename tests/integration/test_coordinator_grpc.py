@@ -8,61 +8,41 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from helpers import expect_refused
+from helpers import coordinator, expect_refused, filled, join, push, served_client
 from helpers import small_theta as _theta
 
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import RemoteError
-from diloco.outer import OuterConfig
 from diloco.transport import CoordinatorClient, ServerLimits, serve
 from diloco.transport.pb import coordinator_pb2 as pb
 from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
 from diloco.types import Chunk, JoinRequest, PushHeader, TensorSpec
 from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 FP32 = get_codec("fp32")
+DELTA = filled(_theta(), 0.1)
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[Coordinator, CoordinatorClient]]:
-    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
-    server, port = serve(coord, "127.0.0.1", 0)
-    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
-    try:
+    coord = coordinator(_theta(), CoordinatorConfig(total_rounds=3, min_sites=2))
+    with served_client(coord) as client:
         yield coord, client
-    finally:
-        client.close()
-        server.stop(grace=None).wait(5)
-
-
-def _delta(scale: float = 0.1) -> dict[str, torch.Tensor]:
-    return {n: torch.full_like(t, scale) for n, t in _theta().items()}
-
-
-def _push(client: CoordinatorClient, site: str, round: int, delta: dict[str, torch.Tensor] | None = None, tokens: int = 10):
-    chunks = encode_chunks(delta if delta is not None else _delta(), codec=FP32)
-    return client.push(PushHeader(site_id=site, round=round, tokens=tokens, train_loss=1.0, inner_steps=1), chunks)
-
-
-def _join(client: CoordinatorClient, *sites: str) -> None:
-    for s in sites:
-        client.join(JoinRequest(s, tuple(fingerprint(_theta()).values())))
 
 
 def test_round_commits_when_every_site_pushed_and_sites_get_identical_theta(served) -> None:
     coord, client = served
-    _join(client, "a", "b")
-    assert _push(client, "a", 0, _delta(0.1), tokens=10).accepted
+    join(client, _theta(), "a", "b")
+    assert push(client, "a", 0, DELTA, tokens=10).accepted
     assert coord.committed_rounds == 0
     assert client.wait_round("a", 0, timeout_s=0.1).committed_rounds == 0  # times out, still open
-    assert _push(client, "b", 0, _delta(0.3), tokens=30).accepted
+    assert push(client, "b", 0, filled(_theta(), 0.3), tokens=30).accepted
     status = client.wait_round("a", 0, timeout_s=5)
     assert status.committed_rounds == 1
     # A repeated push for the committed round is acknowledged and ignored.
-    again = _push(client, "a", 0)
+    again = push(client, "a", 0, DELTA)
     assert again.duplicate and not again.accepted
     assert coord.committed_rounds == 1
     # Applying the pulled update to θ_0 gives exactly the coordinator's θ_1.
@@ -81,8 +61,8 @@ def test_a_waiting_pull_is_held_until_the_commit_then_sends_the_update_at_once(s
     round on a slow link). Still open after wait_s: None; committed while it waits: the
     commit is signalled before the chunks, and the chunks are the plain pull's."""
     coord, client = served
-    _join(client, "a", "b")
-    assert _push(client, "a", 0, _delta(0.1)).accepted
+    join(client, _theta(), "a", "b")
+    assert push(client, "a", 0, DELTA).accepted
     seen: list[str] = []
     assert client.pull_update("a", 0, wait_s=0.2, on_committed=lambda: seen.append("committed")) is None
     assert seen == [] and coord.committed_rounds == 0
@@ -91,7 +71,7 @@ def test_a_waiting_pull_is_held_until_the_commit_then_sends_the_update_at_once(s
     waiter.start()
     time.sleep(0.3)  # the pull is held at the coordinator
     assert got == [] and waiter.is_alive()
-    assert _push(client, "b", 0, _delta(0.3)).accepted
+    assert push(client, "b", 0, filled(_theta(), 0.3)).accepted
     waiter.join(10)
     assert not waiter.is_alive() and seen == ["committed"]
     plain = client.pull_update("a", 0)
@@ -106,13 +86,13 @@ def test_a_pull_given_up_while_it_waits_changes_nothing(served) -> None:
     """A site cancels its held pull (its push failed, or came too late): the coordinator's
     handler ends when the round closes, and the round and later pulls go on as before."""
     coord, client = served
-    _join(client, "a", "b")
-    assert _push(client, "a", 0, _delta(0.1)).accepted
+    join(client, _theta(), "a", "b")
+    assert push(client, "a", 0, DELTA).accepted
     held = client.start_pull("a", 0, wait_s=20)
     time.sleep(0.2)  # held at the coordinator
     held.cancel()
     _expect_refused(held.result, "unavailable")  # as a call cut under it: a site would retry
-    assert _push(client, "b", 0, _delta(0.3)).accepted
+    assert push(client, "b", 0, filled(_theta(), 0.3)).accepted
     assert coord.committed_rounds == 1
     assert [c.payload for c in client.pull_update("a", 0, wait_s=5)] == [c.payload for c in client.pull_update("b", 0)]
 
@@ -121,9 +101,7 @@ def test_a_pull_given_up_while_it_waits_changes_nothing(served) -> None:
 def test_a_held_call_given_up_frees_its_site_slot_at_once(call: str) -> None:
     """Under a limit of one call in flight per site, a site that cancels its held pull (or
     wait) can call again within a moment, not only when the round commits or the hold ends."""
-    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
-    server, port = serve(coord, "127.0.0.1", 0, limits=ServerLimits(max_rpcs_per_site=1))
-    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
+    coord = coordinator(_theta(), CoordinatorConfig(total_rounds=3, min_sites=2))
 
     def when_free(fn):  # the slot of a call answered a moment ago may not be free yet
         since = time.monotonic()
@@ -134,10 +112,10 @@ def test_a_held_call_given_up_frees_its_site_slot_at_once(call: str) -> None:
                 assert e.kind == "resource_exhausted" and time.monotonic() - since < 10, e
                 time.sleep(0.05)
 
-    try:
-        when_free(lambda: _join(client, "a"))
-        when_free(lambda: _join(client, "b"))
-        assert when_free(lambda: _push(client, "a", 0)).accepted
+    with served_client(coord, limits=ServerLimits(max_rpcs_per_site=1)) as client:
+        when_free(lambda: join(client, _theta(), "a"))
+        when_free(lambda: join(client, _theta(), "b"))
+        assert when_free(lambda: push(client, "a", 0, DELTA)).accepted
         time.sleep(0.3)
         if call == "pull":
             held = client.start_pull("a", 0, wait_s=30)
@@ -158,10 +136,7 @@ def test_a_held_call_given_up_frees_its_site_slot_at_once(call: str) -> None:
         when_free(lambda: client.heartbeat("a"))
         print(f"{call}: site slot free {time.monotonic() - given_up:.2f} s after the cancel")
         assert coord.committed_rounds == 0  # freed by the cancellation, not by a commit
-        assert _push(client, "b", 0).accepted and coord.committed_rounds == 1
-    finally:
-        client.close()
-        server.stop(grace=None).wait(5)
+        assert push(client, "b", 0, DELTA).accepted and coord.committed_rounds == 1
 
 
 def _expect_refused(fn, code: str, *fragments: str) -> None:
@@ -174,9 +149,9 @@ def _raw_push(client: CoordinatorClient, header: PushHeader, chunks: list[Chunk]
 
 def test_bad_pushes_are_refused_and_change_nothing(served) -> None:
     coord, client = served
-    _join(client, "a", "b")
+    join(client, _theta(), "a", "b")
     before = coord.global_sha256()
-    good = list(encode_chunks(_delta(), codec=FP32))
+    good = list(encode_chunks(DELTA, codec=FP32))
     header = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1)
 
     def with_first(**kw):
@@ -190,19 +165,19 @@ def test_bad_pushes_are_refused_and_change_nothing(served) -> None:
         (lambda: _raw_push(client, header, with_first(shape=(4,))), "invalid_argument", ["shape [3]", "chunk declares [4]"]),
         (lambda: _raw_push(client, header, with_first(dtype="float16")), "invalid_argument", ["dtype float32", "float16"]),
         (lambda: _raw_push(client, header, good[:1]), "invalid_argument", ["incomplete", "layer.w"]),
-        (lambda: _push(client, "a", 0, {n: torch.full_like(t, float("nan")) for n, t in _theta().items()}), "invalid_argument", ["non-finite"]),
-        (lambda: _push(client, "a", 1), "failed_precondition", ["round 1 is not open", "open round is 0"]),
-        (lambda: _push(client, "a", 7), "out_of_range", ["round 7"]),
-        (lambda: _push(client, "stranger", 0), "failed_precondition", ["'stranger' has not joined"]),
-        (lambda: _push(client, "a", 0, tokens=0), "invalid_argument", ["tokens=0"]),
+        (lambda: push(client, "a", 0, filled(_theta(), float("nan"))), "invalid_argument", ["non-finite"]),
+        (lambda: push(client, "a", 1, DELTA), "failed_precondition", ["round 1 is not open", "open round is 0"]),
+        (lambda: push(client, "a", 7, DELTA), "out_of_range", ["round 7"]),
+        (lambda: push(client, "stranger", 0, DELTA), "failed_precondition", ["'stranger' has not joined"]),
+        (lambda: push(client, "a", 0, DELTA, tokens=0), "invalid_argument", ["tokens=0"]),
     ]
     for fn, code, fragments in cases:
         _expect_refused(fn, code, *fragments)
         assert coord.global_sha256() == before
         assert coord.committed_rounds == 0
     # The coordinator keeps serving: the refused pushes left no trace in the round.
-    assert _push(client, "a", 0).accepted
-    assert _push(client, "b", 0).accepted
+    assert push(client, "a", 0, DELTA).accepted
+    assert push(client, "b", 0, DELTA).accepted
     assert coord.committed_rounds == 1
 
 
@@ -213,12 +188,12 @@ def test_bad_codec_payloads_are_refused_and_change_nothing(served) -> None:
     import zstandard
 
     coord, client = served
-    _join(client, "a", "b")
+    join(client, _theta(), "a", "b")
     before = coord.global_sha256()
     header = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1)
     int8 = get_codec("int8")
-    w = _delta()["layer.w"].reshape(-1)  # 12 elements; "layer.b" (3) sorts first
-    good = {c.name: c for c in encode_chunks(_delta(), codec=int8)}
+    w = DELTA["layer.w"].reshape(-1)  # 12 elements; "layer.b" (3) sorts first
+    good = {c.name: c for c in encode_chunks(DELTA, codec=int8)}
 
     def with_w(codec: str, payload: bytes) -> list[Chunk]:
         c = good["layer.w"]
@@ -241,7 +216,7 @@ def test_bad_codec_payloads_are_refused_and_change_nothing(served) -> None:
         assert coord.committed_rounds == 0
     # The coordinator keeps serving, and an int8 round commits normally.
     assert _raw_push(client, header, list(good.values())).accepted
-    assert _push(client, "b", 0).accepted
+    assert push(client, "b", 0, DELTA).accepted
     assert coord.committed_rounds == 1
 
 
@@ -250,10 +225,10 @@ def test_a_withheld_push_crosses_the_wire_and_the_round_goes_on_without_it(serve
     closes once the other site pushed, with only its Δ; a withheld push that carries chunks, or
     one with a reason no one can read, is refused and changes nothing."""
     coord, client = served
-    _join(client, "a", "b")
+    join(client, _theta(), "a", "b")
     before = coord.global_sha256()
     lost = PushHeader(site_id="a", round=0, tokens=10, train_loss=1.0, inner_steps=1, withheld="lost on the way")
-    good = list(encode_chunks(_delta(), codec=FP32))
+    good = list(encode_chunks(DELTA, codec=FP32))
     _expect_refused(lambda: _raw_push(client, lost, good), "invalid_argument", "withheld ('lost on the way') yet carries chunks")
     _expect_refused(
         lambda: _raw_push(client, PushHeader(**{**lost.__dict__, "withheld": "x" * 600}), []), "invalid_argument", "withheld: a reason of at most 512"
@@ -262,19 +237,18 @@ def test_a_withheld_push_crosses_the_wire_and_the_round_goes_on_without_it(serve
     result = _raw_push(client, lost, [])
     assert result.accepted and result.refused == "withheld by the site: lost on the way" and result.payload_bytes == 0
     assert coord.committed_rounds == 0  # b has not answered yet
-    assert _push(client, "b", 0, _delta(0.2)).accepted
+    assert push(client, "b", 0, filled(_theta(), 0.2)).accepted
     assert coord.committed_rounds == 1
-    solo = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=1))
-    solo.join(JoinRequest("b", tuple(fingerprint(_theta()).values())))
-    solo.push(PushHeader(site_id="b", round=0, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(_delta(0.2), codec=FP32))
+    solo = coordinator(_theta(), CoordinatorConfig(total_rounds=3, min_sites=1), sites=("b",))
+    push(solo, "b", 0, filled(_theta(), 0.2))
     assert coord.global_sha256() == solo.global_sha256()  # θ moved by b's Δ alone
 
 
 def test_push_must_start_with_a_header(served) -> None:
     coord, client = served
-    _join(client, "a")
+    join(client, _theta(), "a")
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(client.address))
-    chunk = next(encode_chunks(_delta(), codec=FP32))
+    chunk = next(encode_chunks(DELTA, codec=FP32))
     with pytest.raises(grpc.RpcError) as info:
         stub.PushDelta(iter([pb.PushMessage(chunk=pb.TensorChunk(name=chunk.name))]), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -292,7 +266,7 @@ def test_join_refuses_a_mismatched_model_naming_the_differences(served) -> None:
 def test_pulls_need_a_joined_site_and_a_committed_round(served) -> None:
     _, client = served
     _expect_refused(lambda: client.pull_global("ghost"), "failed_precondition", "'ghost' has not joined")
-    _join(client, "a")
+    join(client, _theta(), "a")
     _expect_refused(lambda: client.pull_update("a", 0), "failed_precondition", "round 0 is not committed")
     status, chunks = client.pull_global("a")
     assert {c.name for c in chunks} == set(_theta()) and status.committed_rounds == 0
@@ -306,12 +280,12 @@ def test_stopping_the_server_ends_its_worker_threads() -> None:
     """grpc's own stop leaves its pool's threads idle until the pool is collected; a
     coordinator's Server ends them once the calls in flight have ended."""
     before = _rpc_threads()
-    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
+    coord = coordinator(_theta(), CoordinatorConfig(total_rounds=3, min_sites=2))
     server, port = serve(coord, "127.0.0.1", 0)
     client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
     try:
-        _join(client, "a", "b")
-        assert _push(client, "a", 0).accepted
+        join(client, _theta(), "a", "b")
+        assert push(client, "a", 0, DELTA).accepted
         assert _rpc_threads() - before  # the calls ran on the server's pool
     finally:
         client.close()

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import theta
 from hostile import Counts, Fuzzer, legit_site, site_channel
 
 from diloco.coordinator import Coordinator, CoordinatorConfig
@@ -24,22 +24,17 @@ pytestmark = pytest.mark.timeout(120)
 ROUNDS = 6
 FUZZERS = 4
 MESSAGES = 400  # per fuzzer
-
-
-def _theta() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return {"emb.w": torch.randn(16, 8, generator=g), "head.b": torch.randn(8, generator=g)}
+THETA = theta({"emb.w": (16, 8), "head.b": (8,)}, seed=3)
 
 
 def test_hostile_clients_never_crash_the_coordinator_and_a_legitimate_run_completes(tmp_path: Path) -> None:
-    theta = _theta()
     creds = write_run_credentials(tmp_path / "creds", ["a", "b", "x", "y"], hosts=["127.0.0.1"], days=1)
     security = SecurityConfig(dir=str(creds.dir))
     cfg = CoordinatorConfig(
         total_rounds=ROUNDS, min_sites=2, sites=("a", "b", "x", "y"), quorum=QuorumConfig(lease_s=30, deadline="fixed", deadline_s=1.0, late="merge"),
         staging_timeout_s=5.0,
     )  # fmt: skip
-    coord = Coordinator(theta, OuterConfig(), cfg)
+    coord = Coordinator(THETA, OuterConfig(), cfg)
     commits = []
     coord.on_commit.append(commits.append)
     server, port = serve(coord, "127.0.0.1", 0, security=security, limits=ServerLimits(stream_idle_s=5.0))
@@ -48,12 +43,12 @@ def test_hostile_clients_never_crash_the_coordinator_and_a_legitimate_run_comple
     hashes: dict[str, str] = {}
     counts = Counts()
     try:
-        legit = [threading.Thread(target=legit_site, args=(address, s, theta, ROUNDS, hashes, security)) for s in ("a", "b")]
+        legit = [threading.Thread(target=legit_site, args=(address, s, THETA, ROUNDS, hashes, security)) for s in ("a", "b")]
         for t in legit:
             t.start()
         own = ["x", "y"]
         channels = [site_channel(address, creds, own[i % 2]) for i in range(FUZZERS)]
-        fuzzers = [Fuzzer(ch, seed=i, members=[own[i % 2]], theta=theta, total_rounds=ROUNDS) for i, ch in enumerate(channels)]
+        fuzzers = [Fuzzer(ch, seed=i, members=[own[i % 2]], theta=THETA, total_rounds=ROUNDS) for i, ch in enumerate(channels)]
         threads = [threading.Thread(target=f.run, args=(MESSAGES,)) for f in fuzzers]
         for t in threads:
             t.start()

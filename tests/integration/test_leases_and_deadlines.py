@@ -6,37 +6,25 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import FakeClock
+from helpers import FakeClock, coordinator, filled, join, push, served_client, theta
 
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
-from diloco.outer import OuterConfig
-from diloco.transport import CoordinatorClient, RemoteError, serve
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
+from diloco.transport import CoordinatorClient, RemoteError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _theta() -> dict[str, torch.Tensor]:
-    return {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+THETA = theta({"w": (2, 3)})
+DELTA = filled(THETA, 0.1)
 
 
 def _serve(cfg: CoordinatorConfig) -> Iterator[tuple[Coordinator, CoordinatorClient, FakeClock]]:
     clock = FakeClock()
-    coord = Coordinator(_theta(), OuterConfig(), cfg, clock=clock)
+    coord = coordinator(THETA, cfg, clock=clock)
     records = []
     coord.on_commit.append(records.append)
     coord.records = records  # type: ignore[attr-defined]
-    server, port = serve(coord, "127.0.0.1", 0)
-    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
-    try:
+    with served_client(coord) as client:
         yield coord, client, clock
-    finally:
-        client.close()
-        server.stop(grace=None).wait(5)
 
 
 @pytest.fixture
@@ -49,22 +37,15 @@ def deadline30() -> Iterator[tuple[Coordinator, CoordinatorClient, FakeClock]]:
     yield from _serve(CoordinatorConfig(total_rounds=5, min_sites=2, quorum=QuorumConfig(lease_s=100, deadline="fixed", deadline_s=30)))
 
 
-def _push(client: CoordinatorClient, site: str, round: int, value: float = 0.1):
-    delta = {"w": torch.full((2, 3), value)}
-    header = PushHeader(site_id=site, round=round, tokens=10, train_loss=1.0, inner_steps=1)
-    return client.push(header, encode_chunks(delta, codec=get_codec("fp32")))
-
-
-def _join(client: CoordinatorClient, *sites: str) -> None:
-    for s in sites:
-        info = client.join(JoinRequest(s, tuple(fingerprint(_theta()).values())))
+def _join_with_a_lease(client: CoordinatorClient, *sites: str) -> None:
+    for info in join(client, THETA, *sites):
         assert info.lease_s > 0
 
 
 def test_a_silent_site_is_evicted_and_the_round_goes_on(lease10) -> None:
     coord, client, clock = lease10
-    _join(client, "a", "b")
-    assert _push(client, "a", 0).accepted
+    _join_with_a_lease(client, "a", "b")
+    assert push(client, "a", 0, DELTA).accepted
     clock.t += 6
     client.heartbeat("a")  # a stays; b has been silent since it joined
     assert coord.tick() is None  # b's lease has 4 s left: the round still waits for it
@@ -73,56 +54,56 @@ def test_a_silent_site_is_evicted_and_the_round_goes_on(lease10) -> None:
     assert record is not None and record.participants == ["a"] and coord.active_sites == {"a"}
     before = coord.global_sha256()
     with pytest.raises(RemoteError) as info:
-        _push(client, "b", 0)
+        push(client, "b", 0, DELTA)
     assert info.value.kind == "failed_precondition" and "'b' was evicted: no heartbeat for 10 s" in info.value.message
     with pytest.raises(RemoteError, match="evicted"):
         client.heartbeat("b")
     assert coord.global_sha256() == before
     # b joins again, pulls θ whole at the open round and takes part in it.
-    _join(client, "b")
+    _join_with_a_lease(client, "b")
     status, _chunks = client.pull_global("b")
     assert status.committed_rounds == 1
-    assert _push(client, "a", 1).accepted and coord.committed_rounds == 1
-    assert _push(client, "b", 1).accepted and coord.committed_rounds == 2
+    assert push(client, "a", 1, DELTA).accepted and coord.committed_rounds == 1
+    assert push(client, "b", 1, DELTA).accepted and coord.committed_rounds == 2
     assert coord.records[-1].participants == ["a", "b"]
 
 
 def test_a_deadline_closes_the_round_at_the_quorum_and_refuses_the_late_push(deadline30) -> None:
     coord, client, clock = deadline30
-    _join(client, "a", "b", "c")
-    assert _push(client, "a", 0).accepted
+    _join_with_a_lease(client, "a", "b", "c")
+    assert push(client, "a", 0, DELTA).accepted
     clock.t += 20
     assert coord.tick() is None  # before the deadline, and c is active
-    assert _push(client, "b", 0).accepted and coord.committed_rounds == 0
+    assert push(client, "b", 0, DELTA).accepted and coord.committed_rounds == 0
     clock.t += 10
     record = coord.tick()
     assert record is not None and record.participants == ["a", "b"] and record.tokens == 20
     before = coord.global_sha256()
     with pytest.raises(RemoteError) as info:
-        _push(client, "c", 0)  # late: the round was committed without it
+        push(client, "c", 0, DELTA)  # late: the round was committed without it
     assert info.value.kind == "aborted"
     assert "round 0 was committed without site 'c'" in info.value.message and "pull the global parameters" in info.value.message
     assert coord.global_sha256() == before and coord.committed_rounds == 1
     # A repeated push of a participant is still a harmless duplicate.
-    assert _push(client, "a", 0).duplicate
+    assert push(client, "a", 0, DELTA).duplicate
     # c is still a member: it pulls θ and takes part in round 1.
     assert client.pull_global("c")[0].committed_rounds == 1
-    assert _push(client, "c", 1).accepted
+    assert push(client, "c", 1, DELTA).accepted
 
 
 def test_below_the_quorum_a_deadline_does_not_close_the_round(deadline30) -> None:
     coord, client, clock = deadline30
-    _join(client, "a", "b")
-    assert _push(client, "a", 0).accepted
+    _join_with_a_lease(client, "a", "b")
+    assert push(client, "a", 0, DELTA).accepted
     clock.t += 99
     client.heartbeat("b")
     assert coord.tick() is None and coord.committed_rounds == 0  # 1 push < min_sites 2
-    assert _push(client, "b", 0).accepted and coord.committed_rounds == 1
+    assert push(client, "b", 0, DELTA).accepted and coord.committed_rounds == 1
 
 
 def _site_model() -> torch.nn.Module:
     model = torch.nn.Module()
-    model.w = torch.nn.Parameter(_theta()["w"].clone())
+    model.w = torch.nn.Parameter(THETA["w"].clone())
     return model
 
 

@@ -22,13 +22,11 @@ from typing import Any
 
 import grpc
 import pytest
-import torch
-from helpers import FakeClock, expect_refused
+from helpers import FakeClock, coordinator, expect_refused, filled, join, push, served_client, served_coordinator, theta
 from observe_helpers import HandSite, health_status, sample, scrape, tb_scalars
 
 from diloco.app.config import ConfigError, run_config_from_dict
 from diloco.app.coordinator import CoordinatorOptions, run_coordinator
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.observe.config import MetricsConfig, TensorBoardConfig, metrics_config
@@ -40,17 +38,10 @@ from diloco.outer import OuterConfig
 from diloco.security.config import SecurityConfig
 from diloco.security.store import RunCredentials, write_run_credentials
 from diloco.transport import CoordinatorClient, serve
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(90)
-THETA = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-
-
-def _push(client: CoordinatorClient, site: str, round: int) -> Any:
-    header = PushHeader(site_id=site, round=round, tokens=10, train_loss=1.0, inner_steps=1)
-    return client.push(header, encode_chunks({"w": torch.full((2, 3), 0.1)}, codec=get_codec("fp32")))
+THETA = theta({"w": (2, 3)})
+DELTA = filled(THETA, 0.1)
 
 
 def _wait_for(path: Path, thread: threading.Thread) -> dict[str, Any]:
@@ -70,17 +61,14 @@ def counted() -> Iterator[tuple[Coordinator, CoordinatorClient, FakeClock, str]]
     every call to CoordinatorMetrics, and the metrics' own endpoint."""
     clock = FakeClock()
     cfg = CoordinatorConfig(total_rounds=3, min_sites=2, quorum=QuorumConfig(lease_s=100, deadline="fixed", deadline_s=30))
-    coord = Coordinator(THETA, OuterConfig(), cfg, clock=clock)
+    coord = coordinator(THETA, cfg, clock=clock)
     metrics = CoordinatorMetrics()
     metrics.attach(coord)
     endpoint = serve_metrics(metrics.registry, "127.0.0.1", 0)
-    server, port = serve(coord, "127.0.0.1", 0, observer=metrics)
-    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=10, connect_timeout_s=10)
     try:
-        yield coord, client, clock, endpoint.url
+        with served_client(coord, observer=metrics) as client:
+            yield coord, client, clock, endpoint.url
     finally:
-        client.close()
-        server.stop(grace=None).wait(5)
         endpoint.close()
 
 
@@ -93,9 +81,8 @@ def test_a_scrape_counts_rounds_pushes_bytes_and_refusals_by_reason(counted) -> 
     for reason in ("late", "duplicate", "norm_bound"):  # present before anything is refused
         assert sample(before, "diloco_coordinator_pushes_refused_total", reason=reason) == 0
 
-    for site in ("a", "b", "c"):
-        client.join(JoinRequest(site, tuple(fingerprint(THETA).values())))
-    assert _push(client, "a", 0).accepted and _push(client, "b", 0).accepted
+    join(client, THETA, "a", "b", "c")
+    assert push(client, "a", 0, DELTA).accepted and push(client, "b", 0, DELTA).accepted
     clock.t += 31  # round 0's deadline: it closes with a and b, c still active
     assert coord.tick() is not None
     client.pull_update("a", 0)
@@ -118,9 +105,9 @@ def test_a_scrape_counts_rounds_pushes_bytes_and_refusals_by_reason(counted) -> 
 
     # Refusals, by reason: a push for the closed round (late), a repeat (duplicate), a push
     # for a round not open yet (its gRPC status).
-    expect_refused(lambda: _push(client, "c", 0), "aborted")
-    assert _push(client, "a", 0).duplicate
-    expect_refused(lambda: _push(client, "a", 2), "failed_precondition")
+    expect_refused(lambda: push(client, "c", 0, DELTA), "aborted")
+    assert push(client, "a", 0, DELTA).duplicate
+    expect_refused(lambda: push(client, "a", 2, DELTA), "failed_precondition")
     refused = scrape(url)
     assert sample(refused, "diloco_coordinator_pushes_refused_total", reason="late") == 1
     assert sample(refused, "diloco_coordinator_pushes_refused_total", reason="duplicate") == 1
@@ -260,11 +247,10 @@ def test_health_needs_no_site_token_and_follows_the_tls_of_the_server(tmp_path: 
     store = RunCredentials.at(creds)
     coord = Coordinator(THETA, OuterConfig(), CoordinatorConfig(total_rounds=1, min_sites=1, sites=("0",)))
     for auth in ("token", "both"):
-        server, port = serve(coord, "127.0.0.1", 0, security=SecurityConfig(dir=str(creds), auth=auth))
-        try:
+        with served_coordinator(coord, security=SecurityConfig(dir=str(creds), auth=auth)) as address:
             mine = store.site_pem("0") if auth == "both" else None  # mutual TLS: the handshake needs a certificate of the run
             tls = grpc.ssl_channel_credentials(store.ca_pem(), mine.key if mine else None, mine.cert if mine else None)
-            with grpc.secure_channel(f"127.0.0.1:{port}", tls) as channel:
+            with grpc.secure_channel(address, tls) as channel:
                 assert health_status(channel) == "SERVING"
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="diloco.v1.Coordinator"), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -284,8 +270,6 @@ def test_health_needs_no_site_token_and_follows_the_tls_of_the_server(tmp_path: 
                         )
                     )
                 assert off.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        finally:
-            server.stop(grace=None).wait(5)
 
 
 def test_a_stopping_server_says_not_serving_to_its_watchers() -> None:

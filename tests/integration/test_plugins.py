@@ -8,16 +8,14 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
+from helpers import coordinator, served_coordinator
 
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.data import DataConfig, load_corpus
-from diloco.outer import OuterConfig, params_sha256
-from diloco.transport import serve
+from diloco.outer import params_sha256
 
 CONTEXT = 32
 SYNC_EVERY = 3
@@ -36,17 +34,6 @@ def _windows(n: int = 64) -> torch.Tensor:
 
 def _hash(model: torch.nn.Module) -> str:
     return params_sha256(dict(model.named_parameters()))
-
-
-@contextmanager
-def _coordinator(model: torch.nn.Module) -> Iterator[tuple[Coordinator, str]]:
-    """A coordinator holding ``model``'s parameters as θ_0, served on 127.0.0.1:<free port>."""
-    coord = Coordinator(dict(model.named_parameters()), OuterConfig(), CoordinatorConfig(total_rounds=ROUNDS))
-    server, port = serve(coord, "127.0.0.1", 0)
-    try:
-        yield coord, f"127.0.0.1:{port}"
-    finally:
-        server.stop(grace=None).wait(5)
 
 
 def _check_run(coord: Coordinator, site_id: str, model: torch.nn.Module, first_step_hash: str, theta0: str) -> list[dict]:
@@ -105,7 +92,8 @@ def test_hf_trainer_callback_runs_two_rounds(tmp_path) -> None:
             seen.setdefault("hash", _hash(model))
 
     # θ_0 comes from another seed than the site's model: only a join loads it.
-    with _coordinator(_gpt2(seed=0)) as (coord, address):
+    coord = coordinator(dict(_gpt2(seed=0).named_parameters()), CoordinatorConfig(total_rounds=ROUNDS))
+    with served_coordinator(coord) as address:
         model = _gpt2(seed=1)
         args = TrainingArguments(
             output_dir=str(tmp_path / "hf"),
@@ -172,7 +160,8 @@ def test_lightning_callback_runs_two_rounds(tmp_path) -> None:
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(w[:, :-1], w[:, 1:]), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
-    with _coordinator(TinyLM(seed=0)) as (coord, address):
+    coord = coordinator(dict(TinyLM(seed=0).named_parameters()), CoordinatorConfig(total_rounds=ROUNDS))
+    with served_coordinator(coord) as address:
         module = TinyLM(seed=1)
         trainer = pl.Trainer(
             accelerator="cpu",

@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import coordinator, join, push, random_delta
 
 from diloco import checkpoint as ck
 from diloco.app.metrics import MetricsReporter
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, apply_update, params_sha256
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire import ChunkAssembler
 from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,13 +27,12 @@ THETA = {"w": torch.linspace(-1, 1, 24).reshape(4, 6), "b": torch.zeros(6)}
 SITES = ("a", "b")
 
 
-def _coordinator(tmp_path: Path, outer: OuterConfig | None = None, **kwargs) -> Coordinator:
+def _checkpointing_coordinator(tmp_path: Path, outer: OuterConfig | None = None, **kwargs) -> Coordinator:
+    """Sites a and b joined, checkpoints in tmp_path/ck; ``kwargs``: CoordinatorConfig's fields
+    and QuorumConfig's late, late_discount, max_staleness and lease_s."""
     quorum = {k: kwargs.pop(k) for k in ("late", "late_discount", "max_staleness", "lease_s") if k in kwargs}
     cfg = CoordinatorConfig(**{"total_rounds": 6, "min_sites": 2, "checkpoint_dir": str(tmp_path / "ck"), "quorum": QuorumConfig(**quorum), **kwargs})
-    coord = Coordinator(THETA, outer or OuterConfig(), cfg)
-    for s in SITES:
-        coord.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
-    return coord
+    return coordinator(THETA, cfg, outer=outer, sites=SITES)
 
 
 def _restarted(tmp_path: Path, **kwargs) -> Coordinator:
@@ -46,30 +44,33 @@ def _restarted(tmp_path: Path, **kwargs) -> Coordinator:
     return coord
 
 
-def _push(coord: Coordinator, site: str, r: int, scale: float = 0.01):
-    g = torch.Generator().manual_seed(100 * r + ord(site))
-    delta = {n: torch.randn(t.shape, generator=g) * scale for n, t in THETA.items()}
-    return coord.push(PushHeader(site_id=site, round=r, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
+def _seeded_delta(site: str, r: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
+    """Site ``site``'s Δ of round ``r``: the same whichever coordinator it is pushed to."""
+    return random_delta(THETA, seed=100 * r + ord(site), scale=scale)
+
+
+def _push_seeded(coord: Coordinator, site: str, r: int, scale: float = 0.01):
+    return push(coord, site, r, _seeded_delta(site, r, scale))
 
 
 def test_pushes_repeated_after_a_restart_are_taken_once(tmp_path: Path) -> None:
-    reference = _coordinator(tmp_path / "ref")
-    crashed = _coordinator(tmp_path)
+    reference = _checkpointing_coordinator(tmp_path / "ref")
+    crashed = _checkpointing_coordinator(tmp_path)
     for coord in (reference, crashed):
-        _push(coord, "a", 0)
-        _push(coord, "b", 0)
-        _push(coord, "a", 1)  # round 1 is open: this push lives only in memory
+        _push_seeded(coord, "a", 0)
+        _push_seeded(coord, "b", 0)
+        _push_seeded(coord, "a", 1)  # round 1 is open: this push lives only in memory
     assert crashed.committed_rounds == 1
     restarted = _restarted(tmp_path)
     assert restarted.committed_rounds == 1 and restarted.global_sha256() == reference.global_sha256()
     # Site b repeats its counted push of round 0: "duplicate", nothing changes.
-    again = _push(restarted, "b", 0)
+    again = _push_seeded(restarted, "b", 0)
     assert again.duplicate and not again.accepted and restarted.committed_rounds == 1
     # Site a's push of round 1 was lost with the crash: its repeat is taken (not a duplicate).
-    assert _push(restarted, "a", 1).accepted
-    assert _push(restarted, "a", 1).duplicate
-    _push(restarted, "b", 1)
-    _push(reference, "b", 1)
+    assert _push_seeded(restarted, "a", 1).accepted
+    assert _push_seeded(restarted, "a", 1).duplicate
+    _push_seeded(restarted, "b", 1)
+    _push_seeded(reference, "b", 1)
     assert restarted.committed_rounds == 2 and restarted.global_sha256() == reference.global_sha256()
     # The update of round 0 is gone with the old process: a site asking for it is told to pull θ.
     with pytest.raises(CoordinatorError, match="no longer kept") as info:
@@ -78,13 +79,13 @@ def test_pushes_repeated_after_a_restart_are_taken_once(tmp_path: Path) -> None:
 
 
 def test_a_late_push_is_refused_recorded_and_changes_nothing(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path, min_sites=1)
+    coord = _checkpointing_coordinator(tmp_path, min_sites=1)
     coord.leave("b", "")  # only a is active: round 0 closes on its push
-    _push(coord, "a", 0)
-    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))
+    _push_seeded(coord, "a", 0)
+    join(coord, THETA, "b")
     before = coord.global_sha256()
     with pytest.raises(CoordinatorError, match="committed without site 'b'") as info:
-        _push(coord, "b", 0)
+        _push_seeded(coord, "b", 0)
     assert info.value.kind == "aborted" and coord.global_sha256() == before
     assert coord.late_pushes(1) == [{"site": "b", "round": 0}]  # recorded in the round open when it came
 
@@ -103,14 +104,14 @@ def test_spike_guard_judges_against_the_median_of_accepted_rounds() -> None:
 
 
 def test_a_rejected_round_leaves_theta_and_sites_stay_identical(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path, guard=GuardConfig(factor=3.0, window=3, min_rounds=2))
+    coord = _checkpointing_coordinator(tmp_path, guard=GuardConfig(factor=3.0, window=3, min_rounds=2))
     records = []
     coord.on_commit.append(records.append)
     site = {n: t.clone() for n, t in THETA.items()}
 
     def round_(r: int, scale: float) -> None:
-        _push(coord, "a", r, scale)
-        _push(coord, "b", r, scale)
+        _push_seeded(coord, "a", r, scale)
+        _push_seeded(coord, "b", r, scale)
         asm = ChunkAssembler(fingerprint(site))
         for c in coord.pull_update("a", r):
             asm.add(c)
@@ -128,10 +129,10 @@ def test_a_rejected_round_leaves_theta_and_sites_stay_identical(tmp_path: Path) 
 
 
 def test_a_restarted_coordinator_repairs_metrics_jsonl(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path)
+    coord = _checkpointing_coordinator(tmp_path)
     for r in range(3):
-        _push(coord, "a", r)
-        _push(coord, "b", r)
+        _push_seeded(coord, "a", r)
+        _push_seeded(coord, "b", r)
     # The killed predecessor had written round 0's line and half of round 1's.
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"round": 0, "participants": ["a", "b"]}) + "\n" + '{"round": 1, "partic')
@@ -147,22 +148,19 @@ def test_a_restarted_coordinator_repairs_metrics_jsonl(tmp_path: Path) -> None:
 def test_a_late_push_is_merged_into_the_open_round_with_a_discount(tmp_path: Path) -> None:
     # Outer SGD with lr 1 and no momentum: θ moves by exactly minus the weighted mean Δ.
     sgd = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
-    coord = _coordinator(tmp_path, outer=sgd, min_sites=1, late="merge", late_discount=0.5, max_staleness=2)
+    coord = _checkpointing_coordinator(tmp_path, outer=sgd, min_sites=1, late="merge", late_discount=0.5, max_staleness=2)
     records = []
     coord.on_commit.append(records.append)
     coord.leave("b", "")
-    _push(coord, "a", 0)  # round 0 closes with a alone
-    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))
+    _push_seeded(coord, "a", 0)  # round 0 closes with a alone
+    join(coord, THETA, "b")
     theta1 = coord.global_params()
-    merged = _push(coord, "b", 0)  # one round late: merged into round 1 with weight 10 x 0.5
+    merged = _push_seeded(coord, "b", 0)  # one round late: merged into round 1 with weight 10 x 0.5
     assert merged.accepted and merged.merged_into == 1
-    assert _push(coord, "b", 0).duplicate  # a repeat of a merged push changes nothing
-    _push(coord, "a", 1)
-    _push(coord, "b", 1)
-    delta = {}
-    for site, r in (("a", 1), ("b", 1), ("b", 0)):
-        g = torch.Generator().manual_seed(100 * r + ord(site))
-        delta[site, r] = {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in THETA.items()}
+    assert _push_seeded(coord, "b", 0).duplicate  # a repeat of a merged push changes nothing
+    _push_seeded(coord, "a", 1)
+    _push_seeded(coord, "b", 1)
+    delta = {(site, r): _seeded_delta(site, r) for site, r in (("a", 1), ("b", 1), ("b", 0))}
     expected = {n: theta1[n] - (10 * delta["a", 1][n] + 10 * delta["b", 1][n] + 5 * delta["b", 0][n]) / 25 for n in THETA}
     got = coord.global_params()
     assert all(torch.allclose(got[n], expected[n], atol=1e-7, rtol=0) for n in THETA)
@@ -171,13 +169,13 @@ def test_a_late_push_is_merged_into_the_open_round_with_a_discount(tmp_path: Pat
 
 
 def test_a_push_later_than_max_staleness_is_dropped_even_with_merge(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path, min_sites=1, late="merge", max_staleness=1)
+    coord = _checkpointing_coordinator(tmp_path, min_sites=1, late="merge", max_staleness=1)
     coord.leave("b", "")
-    _push(coord, "a", 0)
-    _push(coord, "a", 1)
-    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))
+    _push_seeded(coord, "a", 0)
+    _push_seeded(coord, "a", 1)
+    join(coord, THETA, "b")
     with pytest.raises(CoordinatorError, match="committed without site 'b'"):
-        _push(coord, "b", 0)  # two rounds late
+        _push_seeded(coord, "b", 0)  # two rounds late
 
 
 def test_a_commit_is_published_only_after_its_checkpoint_and_the_write_holds_no_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,16 +196,16 @@ def test_a_commit_is_published_only_after_its_checkpoint_and_the_write_holds_no_
         return real_save(directory, round, state)
 
     monkeypatch.setattr(service, "save_checkpoint", slow_save)
-    coord = _coordinator(tmp_path)
-    assert _push(coord, "a", 0).accepted
-    closing = threading.Thread(target=_push, args=(coord, "b", 0))  # the last push: it commits round 0
+    coord = _checkpointing_coordinator(tmp_path)
+    assert _push_seeded(coord, "a", 0).accepted
+    closing = threading.Thread(target=_push_seeded, args=(coord, "b", 0))  # the last push: it commits round 0
     closing.start()
     try:
         assert writing.wait(30)
         # The lock is free while the checkpoint is written: these return at once, round 0 still open.
         assert coord.heartbeat("a").committed_rounds == 0
         assert coord.wait_round("a", 0, timeout_s=0.2).committed_rounds == 0
-        coord.join(JoinRequest("c", tuple(fingerprint(THETA).values())))
+        join(coord, THETA, "c")
         with pytest.raises(CoordinatorError, match="round 0 is not committed yet"):
             coord.pull_update("a", 0)
         assert ck.load_latest(tmp_path / "ck") is None or ck.load_latest(tmp_path / "ck").round == 0  # type: ignore[union-attr]

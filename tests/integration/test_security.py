@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import expect_refused
+from helpers import expect_refused, filled, join, push
 
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.outer import OuterConfig
 from diloco.security.certs import Pem, issue_site, make_ca
@@ -21,12 +20,10 @@ from diloco.security.config import SecurityConfig, is_loopback
 from diloco.security.store import RunCredentials, add_sites, write_run_credentials
 from diloco.security.tokens import new_token
 from diloco.transport import CoordinatorClient, serve
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 THETA = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3) / 10}
+DELTA = filled(THETA, 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +63,14 @@ def secured(request: pytest.FixtureRequest, creds_dir: Path) -> Iterator[Secured
         s.close()
 
 
-def _push(client: CoordinatorClient, site: str, round: int = 0):
-    delta = {n: torch.full_like(t, 0.1) for n, t in THETA.items()}
-    return client.push(PushHeader(site_id=site, round=round, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
-
-
 _refused = expect_refused
 
 
 def test_sites_with_their_own_credentials_run_a_round(secured: Secured) -> None:
     a, b = secured.client("0"), secured.client("1")
-    a.join(JoinRequest("0", tuple(fingerprint(THETA).values())))
-    b.join(JoinRequest("1", tuple(fingerprint(THETA).values())))
-    assert _push(a, "0").accepted and _push(b, "1").accepted
+    join(a, THETA, "0")
+    join(b, THETA, "1")
+    assert push(a, "0", 0, DELTA).accepted and push(b, "1", 0, DELTA).accepted
     assert a.wait_round("0", 0, timeout_s=5).committed_rounds == 1
     status, chunks = b.pull_global("1")
     assert status.global_sha256 == secured.coord.global_sha256() and chunks
@@ -89,16 +81,16 @@ def test_credentials_of_one_site_cannot_act_for_another(secured: Secured) -> Non
     """A client could join under a real site's id, push in its name (the real site's push was
     then a "duplicate"), or make it leave."""
     real, other = secured.client("0"), secured.client("1")
-    real.join(JoinRequest("0", tuple(fingerprint(THETA).values())))
+    join(real, THETA, "0")
     before = secured.coord.global_sha256()
-    err = _refused(lambda: other.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "permission_denied")
+    err = _refused(lambda: join(other, THETA, "0"), "permission_denied")
     assert "cannot act for site '0'" in err.message
-    _refused(lambda: _push(other, "0"), "permission_denied")
+    _refused(lambda: push(other, "0", 0, DELTA), "permission_denied")
     _refused(lambda: other.leave("0", ""), "permission_denied")
     _refused(lambda: other.heartbeat("0"), "permission_denied")
     _refused(lambda: other.wait_round("0", 0, timeout_s=0.1), "permission_denied")
     assert secured.coord.active_sites == frozenset({"0"}) and secured.coord.global_sha256() == before
-    assert _push(real, "0").accepted and not _push(real, "0").accepted  # the real push counted; a repeat is the duplicate
+    assert push(real, "0", 0, DELTA).accepted and not push(real, "0", 0, DELTA).accepted  # the real push counted; a repeat is the duplicate
 
 
 def _copy_with_site_cert(creds: Path, tmp: Path, pem: Pem, site: str = "0") -> Path:
@@ -130,7 +122,7 @@ def test_mtls_refuses_a_client_without_a_valid_certificate_of_the_run(creds_dir:
         else:
             client = CoordinatorClient(s.address, timeout_s=5, connect_timeout_s=wait)
             s.clients.append(client)
-        _refused(lambda: client.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "unavailable", "internal")
+        _refused(lambda: join(client, THETA, "0"), "unavailable", "internal")
         assert s.coord.active_sites == frozenset()
     finally:
         s.close()
@@ -144,7 +136,7 @@ def test_token_auth_refuses_an_unknown_token(creds_dir: Path, tmp_path: Path, to
         shutil.copytree(creds_dir, bad)
         RunCredentials.at(bad).site_files("0").token.write_text(new_token() if token == "never issued" else "x")
         client = s.client("0", bad)
-        err = _refused(lambda: client.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "unauthenticated")
+        err = _refused(lambda: join(client, THETA, "0"), "unauthenticated")
         assert "token" in err.message
         assert s.coord.active_sites == frozenset()
     finally:
@@ -159,7 +151,7 @@ def test_a_site_that_was_not_issued_credentials_cannot_join(creds_dir: Path, tmp
         shutil.copytree(creds_dir, extra)
         add_sites(extra, ["2"], days=1)
         client = s.client("2", extra)
-        _refused(lambda: client.join(JoinRequest("2", tuple(fingerprint(THETA).values()))), "unauthenticated")
+        _refused(lambda: join(client, THETA, "2"), "unauthenticated")
     finally:
         s.close()
 
@@ -189,7 +181,7 @@ def test_token_auth_refuses_a_call_without_a_token(creds_dir: Path) -> None:
     s = Secured(creds_dir, "token")
     try:
         client = s.client("0", auth="mtls")  # TLS, a certificate the server does not ask for, no token
-        err = _refused(lambda: client.join(JoinRequest("0", tuple(fingerprint(THETA).values()))), "unauthenticated")
+        err = _refused(lambda: join(client, THETA, "0"), "unauthenticated")
         assert "no bearer token" in err.message
     finally:
         s.close()

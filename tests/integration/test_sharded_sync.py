@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import coordinator, join, push, random_delta
 
 from diloco.boxes import Box, tiling_problem
 from diloco.codec import CodecError, get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
-from diloco.outer import OuterConfig
-from diloco.types import JoinRequest, PushHeader
+from diloco.types import PushHeader
 from diloco.wire import ChunkAssembler, SliceAssembler, encode_chunks
 from diloco.wire.fingerprint import fingerprint
 
@@ -27,16 +27,9 @@ RANK0 = {"w": Box((0, 0), (6, 3)), "b": Box((0,), (2,)), "e": Box.whole((4, 3, 2
 RANK1 = {"w": Box((0, 3), (6, 5)), "b": Box((2,), (3,))}
 
 
-def _delta(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in THETA.items()}
-
-
-def _coordinator(**kwargs) -> Coordinator:
-    coord = Coordinator(THETA, OuterConfig(), CoordinatorConfig(**{"total_rounds": 3, "min_sites": 2, **kwargs}))
-    for s in ("a", "b"):
-        coord.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
-    return coord
+def _two_site_coordinator(**cfg: object) -> Coordinator:
+    """Sites a and b joined; ``cfg``: CoordinatorConfig fields over 3 rounds of at least 2 sites."""
+    return coordinator(THETA, CoordinatorConfig(**{"total_rounds": 3, "min_sites": 2, **cfg}), sites=("a", "b"))  # type: ignore[arg-type]
 
 
 def _header(site: str, r: int, part: int = 0, parts: int = 1, tokens: int = 10) -> PushHeader:
@@ -57,7 +50,7 @@ def test_tiling_names_overlaps_and_gaps() -> None:
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_a_rank_decodes_its_slices_from_whole_tensor_chunks(codec: str) -> None:
-    delta = _delta(0)
+    delta = random_delta(THETA, 0)
     chunks = list(encode_chunks(delta, codec=get_codec(codec), chunk_bytes=40))
     whole = ChunkAssembler(fingerprint(THETA))
     for c in chunks:
@@ -73,11 +66,11 @@ def test_a_rank_decodes_its_slices_from_whole_tensor_chunks(codec: str) -> None:
 
 
 def test_a_sharded_push_counts_once_all_parts_arrived_and_equals_a_whole_push() -> None:
-    da, db = _delta(1), _delta(2)
-    whole, sharded = _coordinator(), _coordinator()
+    da, db = random_delta(THETA, 1), random_delta(THETA, 2)
+    whole, sharded = _two_site_coordinator(), _two_site_coordinator()
     for coord in (whole, sharded):
-        assert coord.push(_header("a", 0), encode_chunks(da, codec=FP32)).accepted
-    whole.push(_header("b", 0), encode_chunks(db, codec=FP32))
+        assert push(coord, "a", 0, da).accepted
+    push(whole, "b", 0, db)
     first = sharded.push(_header("b", 0, part=1, parts=2), _part(db, RANK1, 0))
     assert first.accepted and sharded.committed_rounds == 0  # waits for the site's other part
     assert sharded.push(_header("b", 0, part=1, parts=2), _part(db, RANK1, 0)).duplicate
@@ -87,9 +80,9 @@ def test_a_sharded_push_counts_once_all_parts_arrived_and_equals_a_whole_push() 
 
 
 def test_overlapping_or_gapped_parts_are_refused_and_theta_stays() -> None:
-    coord = _coordinator()
+    coord = _two_site_coordinator()
     before = coord.global_sha256()
-    d = _delta(3)
+    d = random_delta(THETA, 3)
     coord.push(_header("b", 0, part=0, parts=2), _part(d, RANK0, 0))
     overlap = {"w": Box((0, 2), (6, 6)), "b": Box((2,), (3,))}
     with pytest.raises(CoordinatorError, match=r"overlaps slice \[0:6, 0:3\] of part 0"):
@@ -106,8 +99,8 @@ def test_overlapping_or_gapped_parts_are_refused_and_theta_stays() -> None:
 
 
 def test_a_slice_outside_its_tensor_is_refused() -> None:
-    coord = _coordinator()
-    d = _delta(4)
+    coord = _two_site_coordinator()
+    d = random_delta(THETA, 4)
     bad = _part(d, RANK1, 0)
     i = next(i for i, c in enumerate(bad) if c.name == "w")
     bad[i] = type(bad[i])(**{**bad[i].__dict__, "box_start": (0, 4)})  # [0:6, 4:9] leaves w
@@ -118,9 +111,9 @@ def test_a_slice_outside_its_tensor_is_refused() -> None:
 
 
 def test_pulls_of_slices_carry_only_the_chunks_of_their_rows() -> None:
-    coord = _coordinator(chunk_bytes=32)  # 8 floats per chunk: w is 6 chunks, one per row
+    coord = _two_site_coordinator(chunk_bytes=32)  # 8 floats per chunk: w is 6 chunks, one per row
     for s in ("a", "b"):
-        coord.push(_header(s, 0), encode_chunks(_delta(5), codec=FP32))
+        push(coord, s, 0, random_delta(THETA, 5))
     rows = {"w": Box((2, 0), (2, 8))}  # rows 2 and 3 of w
     chunks = coord.pull_update("a", 0, want=rows)
     assert [(c.name, c.offset) for c in chunks] == [("w", 16), ("w", 24)]
@@ -138,9 +131,9 @@ def test_pulls_of_slices_carry_only_the_chunks_of_their_rows() -> None:
 
 @pytest.mark.parametrize(("codec", "cut"), [("fp32", True), ("bf16", True), ("fp16", True), ("int8", False)])
 def test_float_payloads_are_cut_to_a_ranks_rows(codec: str, cut: bool) -> None:
-    coord = _coordinator(codec_down=codec)  # each tensor is one chunk
+    coord = _two_site_coordinator(codec_down=codec)  # each tensor is one chunk
     for s in ("a", "b"):
-        coord.push(_header(s, 0), encode_chunks(_delta(6), codec=FP32))
+        push(coord, s, 0, random_delta(THETA, 6))
     rows = {"w": Box((2, 0), (2, 8)), "e": Box((1, 0, 0), (3, 3, 2))}
     chunks = coord.pull_update("a", 0, want=rows)
     assert [(c.name, c.offset, c.numel) for c in chunks] == ([("e", 6, 18), ("w", 16, 16)] if cut else [("e", 0, 24), ("w", 0, 48)])
@@ -157,11 +150,11 @@ def test_float_payloads_are_cut_to_a_ranks_rows(codec: str, cut: bool) -> None:
 
 
 def test_the_round_record_says_what_each_part_held() -> None:
-    coord = _coordinator()
+    coord = _two_site_coordinator()
     records = []
     coord.on_commit.append(records.append)
-    d = _delta(7)
-    coord.push(_header("a", 0), encode_chunks(d, codec=FP32))
+    d = random_delta(THETA, 7)
+    push(coord, "a", 0, d)
     coord.push(_header("b", 0, part=0, parts=2), _part(d, RANK0, 0))
     coord.push(_header("b", 0, part=1, parts=2), _part(d, RANK1, 0))
     assert records[0].sliced == {"b": [{"part": 0, "whole": 1, "sliced": 2, "numel": 18 + 2 + 24}, {"part": 1, "whole": 0, "sliced": 2, "numel": 30 + 3}]}
@@ -170,15 +163,15 @@ def test_the_round_record_says_what_each_part_held() -> None:
 def test_a_site_that_joins_again_pushes_all_its_parts_again() -> None:
     # A restarted sharded site (torchrun started again) joins with the same id: a part its
     # previous incarnation pushed must not be combined with the new incarnation's parts.
-    coord = _coordinator()
-    old, new = _delta(8), _delta(9)
-    coord.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32))
+    coord = _two_site_coordinator()
+    old, new = random_delta(THETA, 8), random_delta(THETA, 9)
+    push(coord, "a", 0, random_delta(THETA, 1))
     assert coord.push(_header("b", 0, part=0, parts=2), _part(old, RANK0, 0)).accepted
-    coord.join(JoinRequest("b", tuple(fingerprint(THETA).values())))  # the site's ranks come back
+    join(coord, THETA, "b")  # the site's ranks come back
     coord.push(_header("b", 0, part=1, parts=2), _part(new, RANK1, 0))
     assert coord.committed_rounds == 0  # part 0 of the old incarnation was forgotten
     coord.push(_header("b", 0, part=0, parts=2), _part(new, RANK0, 0))
-    reference = _coordinator()
-    reference.push(_header("a", 0), encode_chunks(_delta(1), codec=FP32))
-    reference.push(_header("b", 0), encode_chunks(new, codec=FP32))
+    reference = _two_site_coordinator()
+    push(reference, "a", 0, random_delta(THETA, 1))
+    push(reference, "b", 0, new)
     assert coord.committed_rounds == 1 and coord.global_sha256() == reference.global_sha256()

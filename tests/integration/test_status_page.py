@@ -26,25 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from helpers import coordinator, filled, push, theta
 from observe_helpers import HandSite
 
 from diloco.app.config import ConfigError, run_config_from_dict
 from diloco.app.coordinator import CoordinatorOptions, run_coordinator
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.observe.status_page import MAX_CONNECTIONS, StatusConfig, StatusPage, StatusPageError, serve_status_page, status_config
 from diloco.observe.status_state import MetricsTail, curves
-from diloco.outer import OuterConfig
 from diloco.security.config import SecurityConfig
 from diloco.security.store import RunCredentials, write_run_credentials
 from diloco.sim.sections import sim_status
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(120)
-THETA = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+THETA = theta({"w": (2, 3)})
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium binary on PATH: the status page's browser tests need it (apt-get install chromium; scripts/setup_browser.sh)"
@@ -295,11 +290,9 @@ def creds(tmp_path: Path) -> RunCredentials:
     return RunCredentials.at(tmp_path / "creds")
 
 
-def _coordinator(*join: str) -> Coordinator:
-    c = Coordinator(THETA, OuterConfig(), CoordinatorConfig(total_rounds=3, min_sites=2))
-    for s in join:
-        c.join(JoinRequest(s, tuple(fingerprint(THETA).values())))
-    return c
+def _coordinator_of(*sites: str) -> Coordinator:
+    """A coordinator of 3 rounds and at least 2 sites, with ``sites`` joined."""
+    return coordinator(THETA, CoordinatorConfig(total_rounds=3, min_sites=2), sites=sites)
 
 
 @pytest.fixture
@@ -308,7 +301,7 @@ def pages(tmp_path: Path) -> Iterator[Callable[..., StatusPage]]:
 
     def start(security: SecurityConfig | None = None, coordinator: Coordinator | None = None, metrics: Path | None = None) -> StatusPage:
         started.append(serve_status_page(StatusConfig(port=0), security or SecurityConfig(), metrics or tmp_path / "metrics.jsonl", {"sites": 2}))
-        started[-1].attach(coordinator or _coordinator("0"))
+        started[-1].attach(coordinator or _coordinator_of("0"))
         return started[-1]
 
     try:
@@ -391,12 +384,11 @@ def _plain(page: StatusPage, method: str, path: str, host: str | None = None) ->
 
 
 def test_read_only_loopback_only_in_plaintext_and_json_for_the_page(tmp_path: Path, pages) -> None:  # type: ignore[no-untyped-def]
-    coordinator = _coordinator("0", "1")
+    coord = _coordinator_of("0", "1")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"round": 0, "participants": ["0", "1"], "tokens": 10, "train_loss": float("nan"), "bytes_up": 5, "bytes_down": 7}) + "\n")
-    header = PushHeader(site_id="1", round=0, tokens=10, train_loss=1.0, inner_steps=1)
-    assert coordinator.push(header, encode_chunks({"w": torch.full((2, 3), 0.1)}, codec=get_codec("fp32"))).accepted  # into the open round
-    page = pages(coordinator=coordinator, metrics=metrics)
+    assert push(coord, "1", 0, filled(THETA, 0.1)).accepted  # into the open round
+    page = pages(coordinator=coord, metrics=metrics)
     status, headers, body = _plain(page, "GET", "/")
     assert status == 200 and headers["Content-Type"].startswith("text/html") and b'id="sites"' in body
     assert "default-src 'none'" in headers["Content-Security-Policy"] and headers["X-Frame-Options"] == "DENY"

@@ -31,7 +31,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
         z.close()
 
 
-def _coordinator(tmp_path: Path, zygote: Zygote, nice: int = 0) -> tuple[Forked, Path]:
+def _spawn_waiting_coordinator(tmp_path: Path, zygote: Zygote, nice: int = 0) -> tuple[Forked, Path]:
     """A coordinator child that listens and waits for sites that never come."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(run_config_to_dict(RunConfig(sites=2))))
@@ -57,7 +57,7 @@ def test_a_child_exits_with_its_code_and_writes_its_log(zygote: Zygote, tmp_path
 
 
 def test_a_child_is_a_process_of_its_own_until_it_is_killed(zygote: Zygote, tmp_path: Path) -> None:
-    child, log = _coordinator(tmp_path, zygote, nice=3)
+    child, log = _spawn_waiting_coordinator(tmp_path, zygote, nice=3)
     assert os.getsid(child.pid) == child.pid  # its own session: killpg(pid) stops it and what it started
     assert os.getpriority(os.PRIO_PROCESS, child.pid) == os.getpriority(os.PRIO_PROCESS, os.getpid()) + 3
     assert "coordinator listening on 127.0.0.1" in log.read_text()
@@ -71,7 +71,7 @@ def test_a_child_is_a_process_of_its_own_until_it_is_killed(zygote: Zygote, tmp_
 def test_closing_the_zygote_takes_its_children_with_it(tmp_path: Path) -> None:
     z = Zygote(tmp_path, dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        child, _ = _coordinator(tmp_path, z)
+        child, _ = _spawn_waiting_coordinator(tmp_path, z)
         z.close()
         deadline = time.monotonic() + 10
         while Path(f"/proc/{child.pid}").exists() and _state(child.pid) != "Z":

@@ -8,20 +8,14 @@ import threading
 
 import pytest
 import torch
+from helpers import coordinator, filled, push
 
-from diloco.codec import get_codec
-from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator import CoordinatorConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, OuterOptimizer, OuterStepRefused
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _theta() -> dict[str, torch.Tensor]:
-    return {"w": torch.linspace(-1, 1, 12).reshape(3, 4), "b": torch.ones(4)}
+THETA = {"w": torch.linspace(-1, 1, 12).reshape(3, 4), "b": torch.ones(4)}
 
 
 def _state(outer: OuterOptimizer) -> list[torch.Tensor]:
@@ -31,7 +25,7 @@ def _state(outer: OuterOptimizer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 3e38, 1e30])
 def test_a_refused_outer_step_leaves_theta_and_momentum_as_they_were(value: float) -> None:
-    outer = OuterOptimizer(_theta(), OuterConfig())
+    outer = OuterOptimizer(THETA, OuterConfig())
     outer.step({n: torch.full_like(p, 0.01) for n, p in outer.params.items()})  # momentum exists now
     before = [t.clone() for t in _state(outer)]
     with pytest.raises(OuterStepRefused):
@@ -42,7 +36,7 @@ def test_a_refused_outer_step_leaves_theta_and_momentum_as_they_were(value: floa
 
 
 def test_a_transmit_that_raises_refuses_the_step() -> None:
-    outer = OuterOptimizer(_theta(), OuterConfig())
+    outer = OuterOptimizer(THETA, OuterConfig())
     before = {n: p.clone() for n, p in outer.params.items()}
 
     def broken(_u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -53,29 +47,23 @@ def test_a_transmit_that_raises_refuses_the_step() -> None:
     assert all(torch.equal(outer.params[n], before[n]) for n in before)
 
 
-def _push(coord: Coordinator, site: str, round: int, value: float, tokens: int = 10) -> None:
-    delta = {n: torch.full_like(p, value) for n, p in _theta().items()}
-    coord.push(PushHeader(site_id=site, round=round, tokens=tokens, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
-
-
 def test_a_round_whose_step_would_overflow_is_rejected_and_the_residual_stays() -> None:
-    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=3, codec_down="int8"))
-    coord.join(JoinRequest("a", tuple(fingerprint(_theta()).values())))
+    coord = coordinator(THETA, CoordinatorConfig(total_rounds=3, codec_down="int8"), sites=("a",))
     records = []
     coord.on_commit.append(records.append)
-    _push(coord, "a", 0, 0.01)
+    push(coord, "a", 0, filled(THETA, 0.01))
     residual = coord.shard.encoder.feedback.residual  # noqa: SLF001 - the state the refusal must not move
     theta = coord.global_params()
-    _push(coord, "a", 1, 3e38, tokens=2**40)
+    push(coord, "a", 1, filled(THETA, 3e38), tokens=2**40)
     assert records[1].rejected and records[1].guard
     assert coord.shard.encoder.feedback.residual is residual  # noqa: SLF001
     assert all(torch.equal(theta[n], p) for n, p in coord.global_params().items())
-    _push(coord, "a", 2, 0.01)
+    push(coord, "a", 2, filled(THETA, 0.01))
     assert not records[2].rejected and coord.finished
 
 
 def test_a_ticker_that_breaks_fails_the_coordinator_loudly() -> None:
-    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=2))
+    coord = coordinator(THETA, CoordinatorConfig(total_rounds=2))
     failures: list[str] = []
     seen = threading.Event()
     coord.on_fatal.append(lambda what, e: (failures.append(f"{what}: {e}"), seen.set()))
@@ -98,12 +86,11 @@ def test_a_ticker_that_breaks_fails_the_coordinator_loudly() -> None:
 def test_a_checkpoint_that_cannot_be_written_fails_the_coordinator_and_wakes_waiters(tmp_path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
-    coord = Coordinator(_theta(), OuterConfig(), CoordinatorConfig(total_rounds=2, checkpoint_dir=str(blocker / "ckpt")))
-    coord.join(JoinRequest("a", tuple(fingerprint(_theta()).values())))
+    coord = coordinator(THETA, CoordinatorConfig(total_rounds=2, checkpoint_dir=str(blocker / "ckpt")), sites=("a",))
     fatal: list[str] = []
     coord.on_fatal.append(lambda what, e: fatal.append(what))
     with pytest.raises(CoordinatorError) as info:
-        _push(coord, "a", 0, 0.01)
+        push(coord, "a", 0, filled(THETA, 0.01))
     assert info.value.kind == "unavailable" and fatal == ["the checkpoint of round 0"]
     with pytest.raises(CoordinatorError, match="must be restarted from its checkpoint"):
         coord.pull_global("a")  # does not wait forever for a publication that cannot come

@@ -23,7 +23,8 @@ def _deltas(rounds: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [{n: torch.randn(s, generator=g) for n, s in SHAPES.items()} for _ in range(rounds)]
 
 
-def _coordinator(cfg: OuterConfig) -> OuterOptimizer:
+def _coordinators_outer_optimizer(cfg: OuterConfig) -> OuterOptimizer:
+    """The outer optimizer a coordinator runs, from θ = 0: what the eager look-ahead follows."""
     return OuterOptimizer({n: torch.zeros(s) for n, s in SHAPES.items()}, cfg, steps=ROUNDS)
 
 
@@ -43,7 +44,7 @@ IDS = ["nesterov", "heavy-ball", "rule-like-schedule", "no-momentum"]
 
 @pytest.mark.parametrize("cfg", OUTER, ids=IDS)
 def test_one_site_with_weight_one_starts_every_phase_at_blockings_theta(cfg: OuterConfig) -> None:
-    coordinator, eager = _coordinator(cfg), EagerStart(cfg, ROUNDS, weight=1.0)
+    coordinator, eager = _coordinators_outer_optimizer(cfg), EagerStart(cfg, ROUNDS, weight=1.0)
     for k, delta in enumerate(_deltas(ROUNDS)):
         theta = {n: p.clone() for n, p in coordinator.params.items()}
         offset = eager.offset(k, delta)  # pushed; the round is in flight
@@ -58,7 +59,7 @@ def test_with_several_sites_the_look_ahead_takes_the_weighted_own_delta_for_the_
     # 4 sites; this one is site 0. The look-ahead of round k is the coordinator's step k (its
     # rates, its buffer) taken with x = w·Δ_k(own) in place of the mean still in flight.
     sites, w = 4, 0.5
-    coordinator, eager = _coordinator(cfg), EagerStart(cfg, ROUNDS, weight=w)
+    coordinator, eager = _coordinators_outer_optimizer(cfg), EagerStart(cfg, ROUNDS, weight=w)
     for k in range(ROUNDS):
         pushes = _deltas(sites, seed=k)
         offset = eager.offset(k, pushes[0])
@@ -93,7 +94,7 @@ def test_with_fragments_each_parameter_follows_the_rounds_of_its_own_fragment(cf
 @pytest.mark.parametrize("cfg", OUTER[:3], ids=IDS[:3])
 def test_weight_zero_looks_ahead_by_the_momentum_alone(cfg: OuterConfig) -> None:
     # merge=ahead's w = 0: the part of the outer step a site knows before the mean lands.
-    coordinator, eager = _coordinator(cfg), EagerStart(cfg, ROUNDS, weight=0.0)
+    coordinator, eager = _coordinators_outer_optimizer(cfg), EagerStart(cfg, ROUNDS, weight=0.0)
     for k, delta in enumerate(_deltas(ROUNDS, seed=5)):
         offset = eager.offset(k, delta)
         trial = copy.deepcopy(coordinator)

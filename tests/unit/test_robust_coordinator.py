@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import coordinator, filled, push
 
-from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, RobustConfig
-from diloco.types import JoinRequest, PushHeader
-from diloco.wire import encode_chunks
-from diloco.wire.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 THETA = {"w": torch.zeros(8)}
@@ -21,15 +18,8 @@ SGD = OuterConfig(name="SGD", lr=1.0, momentum=0.0, nesterov=False)
 
 
 def _coord(robust: RobustConfig, sites: int = 4, rounds: int = 3, aggregate: str = "mean") -> Coordinator:
-    c = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=rounds, min_sites=sites, robust=robust, aggregate=aggregate))
-    for s in range(sites):
-        c.join(JoinRequest(str(s), tuple(fingerprint(THETA).values())))
-    return c
-
-
-def _push(c: Coordinator, site: int, round: int, value: float):
-    delta = {"w": torch.full((8,), value)}
-    return c.push(PushHeader(site_id=str(site), round=round, tokens=10, train_loss=1.0, inner_steps=1), encode_chunks(delta, codec=get_codec("fp32")))
+    cfg = CoordinatorConfig(total_rounds=rounds, min_sites=sites, robust=robust, aggregate=aggregate)
+    return coordinator(THETA, cfg, outer=SGD, sites=tuple(str(s) for s in range(sites)))
 
 
 def test_a_push_far_above_the_recent_norms_is_refused_and_the_round_goes_on() -> None:
@@ -37,8 +27,8 @@ def test_a_push_far_above_the_recent_norms_is_refused_and_the_round_goes_on() ->
     records = []
     c.on_commit.append(records.append)
     for s in range(3):
-        assert not _push(c, s, 0, 0.1).refused
-    result = _push(c, 3, 0, 10.0)
+        assert not push(c, str(s), 0, filled(THETA, 0.1)).refused
+    result = push(c, "3", 0, filled(THETA, 10.0))
     assert result.accepted and "exceeds 3 ×" in result.refused
     (refused,) = records[0].refused
     assert refused["site"] == "3" and refused["norm"] == pytest.approx(10.0 * 8**0.5)
@@ -52,8 +42,8 @@ def test_clip_scales_the_push_down_to_the_bound() -> None:
     records = []
     c.on_commit.append(records.append)
     for s in range(3):
-        _push(c, s, 0, 0.1)
-    assert "clip" in _push(c, 3, 0, 10.0).clipped
+        push(c, str(s), 0, filled(THETA, 0.1))
+    assert "clip" in push(c, "3", 0, filled(THETA, 10.0)).clipped
     (clipped,) = records[0].clipped
     assert clipped["scale"] == pytest.approx(0.02)  # to 2 × the median norm
     torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -(0.1 * 3 + 0.2) / 4))
@@ -63,7 +53,7 @@ def test_clip_scales_the_push_down_to_the_bound() -> None:
 def test_a_robust_aggregate_ignores_one_absurd_push(how: str) -> None:
     c = _coord(RobustConfig(trim=0.25), aggregate=how)
     for s, v in enumerate([0.1, 0.1, 0.1, 1e30]):
-        _push(c, s, 0, v)
+        push(c, str(s), 0, filled(THETA, v))
     torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))
 
 
@@ -71,8 +61,8 @@ def test_the_norm_history_and_refusals_survive_a_checkpoint() -> None:
     robust = RobustConfig(norm_ratio=3, min_history=2)
     c = _coord(robust)
     for s in range(3):
-        _push(c, s, 0, 0.1)
-    _push(c, 3, 0, 10.0)
+        push(c, str(s), 0, filled(THETA, 0.1))
+    push(c, "3", 0, filled(THETA, 10.0))
     state = c._checkpoint_state()  # noqa: SLF001 - what a checkpoint holds
     restored = Coordinator(THETA, SGD, CoordinatorConfig(total_rounds=3, min_sites=4, robust=robust))
     restored.restore(state)
@@ -84,9 +74,9 @@ def test_a_non_finite_push_is_refused_whole_with_the_bound_off() -> None:
     """The wire refuses non-finite values as it decodes, before any bound judges the push."""
     c = _coord(RobustConfig())
     for s in range(3):
-        _push(c, s, 0, 0.1)
+        push(c, str(s), 0, filled(THETA, 0.1))
     with pytest.raises(CoordinatorError, match="non-finite values") as info:
-        _push(c, 3, 0, float("nan"))
+        push(c, "3", 0, filled(THETA, float("nan")))
     assert info.value.kind == "invalid_argument" and c.committed_rounds == 0  # nothing of it counted
-    _push(c, 3, 0, 0.1)
+    push(c, "3", 0, filled(THETA, 0.1))
     torch.testing.assert_close(c.global_params()["w"], torch.full((8,), -0.1))
