@@ -107,8 +107,9 @@ def _serve_run(
     theta0, source = initial_params(cfg)
     evaluate = coordinator_evaluator(cfg, theta0, log)
     coordinator = Coordinator(theta0, cfg.outer_step, coordinator_config(cfg, opts, source, evaluate is not None))
+    resumed = None
     if opts.checkpoint_dir:
-        _resume(coordinator, Path(opts.checkpoint_dir), log)
+        resumed = _resume(coordinator, Path(opts.checkpoint_dir), log)
     eval_by = "coordinator" if evaluate is not None else "sites"
     fatal, failed = _failure_alarm(log)
     coordinator.on_fatal.append(fatal)
@@ -164,6 +165,9 @@ def _serve_run(
         wall_s=round(time.monotonic() - start, 3),
         port=port,
         peak_rss_mb=peak_rss_mb(),
+        min_sites=_min_sites(cfg, opts),
+        security=cfg.security.describe(),
+        resumed_from=resumed,
         refused_pushes=coordinator.refusals() or None,
         commit_s_median=_median_parts(coordinator.commit_timings()),
         fragments=describe(coordinator.fragments, {n: s.shape for n, s in coordinator.specs.items()}) if cfg.sync.fragments > 1 and coordinator.ready else None,
@@ -296,18 +300,20 @@ def _count(coordinator: Coordinator) -> int:
     return sum(math.prod(s.shape) for s in coordinator.specs.values())
 
 
-def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None]) -> None:
-    """Restores the newest good checkpoint in ``directory``, if any; names the bad ones it skips."""
+def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Restores the newest good checkpoint in ``directory``, if any (names the bad ones it
+    skips); returns what it resumed from (global.json's ``resumed_from``)."""
     loaded = load_latest(directory)
     for problem in loaded.problems if loaded else []:
         log_at(log, logging.WARNING, f"skipping a bad checkpoint: {problem}")
     if loaded is None:
-        return
+        return None
     try:
         coordinator.restore(loaded.state)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{loaded.path}: does not fit this run: {e}") from None
     log(f"resumed from {loaded.path} at round {coordinator.committed_rounds} (global sha256 {coordinator.global_sha256()[:16]})")
+    return {"round": coordinator.committed_rounds, "global_sha256": coordinator.global_sha256()}
 
 
 def _min_sites(cfg: RunConfig, opts: CoordinatorOptions) -> int:

@@ -117,6 +117,11 @@ class GlobalRecord:
     eval_by: str | None = _f("who evaluated θ: coordinator | sites; null in the baselines", default=None)
     site_reported_sha256: dict[str, str] | None = _f("site -> the θ hash it reported when it left", optional=True)
     port: int | None = _f("the port the coordinator listened on", optional=True)
+    min_sites: int | None = _f("the quorum in force: a round never closed with fewer pushes", optional=True)
+    security: str | None = _f("what the gRPC server served: TLS with client certificates and/or tokens, or plaintext", optional=True)
+    resumed_from: dict[str, Any] | None = _f(
+        "the checkpoint it resumed from: {round (committed rounds), global_sha256 (θ's, checked on restore)}", optional=True
+    )
     refused_pushes: dict[str, int] | None = _f("site -> its pushes the norm bound refused over the run (robust.norm_ratio)", optional=True)
     commit_s_median: dict[str, float] | None = _f(
         "seconds of each part of a commit, the median over the run's (Coordinator.commit_timings): receive_s (the closing push's receive and decode), "
@@ -155,6 +160,12 @@ class WorkerRecord:
     merged_rounds: list[int] | None = _f("rounds whose late push was merged into a later round", optional=True)
     diverged_rounds: list[int] | None = _f(
         "rounds whose pseudo-gradient was not finite: withheld, the site restarted from θ with a fresh inner optimizer state", optional=True
+    )
+    uncounted: dict[str, str] | None = _f(
+        "round -> why the coordinator took its push without counting it, or counted it scaled down (robust.*, a withheld push)", optional=True
+    )
+    restored: dict[str, Any] | None = _f(
+        "its own checkpoint restored at start: {round, exact (sampler and residual too), hash_matches (θ as the checkpoint recorded), tokens}", optional=True
     )
     rejoins: int | None = _f("times it had to join again (evicted, or forgotten by a restarted coordinator)", optional=True)
     reconnects: int | None = _f("calls retried because the coordinator could not be reached", optional=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressT
 from diloco.observe.site_observer import SiteObserver
 from diloco.outer import params_sha256
 from diloco.run_dir import RunDir
-from diloco.site.checkpoint import SiteCheckpointer
+from diloco.site.checkpoint import Restored, SiteCheckpointer
 from diloco.site.device import configure_cuda, resolve_device
 from diloco.site.inner import InnerTrainer, evaluate_loss
 from diloco.site.layouts.build import build_layout, close_site_group, init_site_group
@@ -96,16 +97,16 @@ def _silent(_msg: str) -> None:
     pass
 
 
-def _restore(checkpointer: SiteCheckpointer | None, sync: OuterSync, site_id: str, log: Callable[[str], None]) -> bool:
-    """Restores the site's own checkpoint if it has one; True if it was exact (the sampler and
-    residual too), False if the data must be moved on to where the run is."""
+def _restore(checkpointer: SiteCheckpointer | None, sync: OuterSync, site_id: str, log: Callable[[str], None]) -> Restored | None:
+    """Restores the site's own checkpoint if it has one; ``exact`` when the sampler and residual
+    came back too (else the data must be moved on to where the run is)."""
     restored = checkpointer.restore(round=sync.round, global_sha256=sync.global_sha256(), set_residual=sync.set_residual) if checkpointer else None
     if restored is None:
         log(f"site {site_id}: no checkpoint of this run; the inner optimizer state starts fresh")
-        return False
+        return None
     what = "optimizer, sampler and residual" if restored.exact else "optimizer state only (rounds were committed since)"
     log(f"site {site_id}: restored its round-{restored.round} checkpoint: {what}; θ hash matches: {restored.hash_matches}")
-    return restored.exact
+    return restored
 
 
 def _traffic(per_rank: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
@@ -128,6 +129,7 @@ def _sync_record(sync: OuterSync) -> dict[str, Any]:
         "dropped_rounds": sync.stats.dropped_rounds,
         "merged_rounds": sync.stats.merged_rounds,
         "diverged_rounds": sync.stats.diverged_rounds,
+        "uncounted": {str(r): why for r, why in sorted(sync.stats.uncounted.items())} or None,
         "rejoins": sync.stats.rejoins,
         "reconnects": sync.stats.reconnects,
     }
@@ -218,6 +220,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         steps_per_round={str(r): n for r, n in sorted(site.loop.steps_per_round.items())} if site.loop else {},
         **_sync_record(sync),
         incarnation=opts.incarnation,
+        restored=dataclasses.asdict(site.restored) if site.restored is not None else None,
         **_overlap_record(site, cfg),
         global_sha256=site_hash,
         wall_s=round(time.monotonic() - start, 3),
@@ -256,6 +259,7 @@ class _Site:
         self.schedule = cfg.schedule  # when this site pushes and merges: its own until it joins, then the run's
         self.loop: RoundLoop | None = None
         self.checkpointer: SiteCheckpointer | None = None
+        self.restored: Restored | None = None  # its own checkpoint, restored at start
         self.fragment_bytes: dict[str, dict[str, int]] = {}  # fragment -> payload bytes up and down
 
     def train(self, sync: OuterSync, shard: int) -> str:
@@ -276,7 +280,8 @@ class _Site:
         self.checkpointer = (
             SiteCheckpointer(Path(opts.checkpoint_dir), info.run_id, self.trainer, self.sampler, log) if opts.checkpoint_dir and one_rank else None
         )
-        if not _restore(self.checkpointer, sync, opts.site_id, log):
+        self.restored = _restore(self.checkpointer, sync, opts.site_id, log)
+        if self.restored is None or not self.restored.exact:
             self.sampler.skip(self.schedule.steps_before(sync.round))  # the data goes on where the run is
         self.loop = RoundLoop(
             sync,

@@ -85,6 +85,7 @@ def exchange(
             stats.bytes_up += result.payload_bytes
             times["bytes_up"] = result.payload_bytes
             if result.refused or result.clipped:
+                stats.uncounted[r] = f"{'not counted' if result.refused else 'counted scaled down'}: {result.refused or result.clipped}"
                 log(
                     f"site {site}: round {r} push {'not counted' if result.refused else 'counted scaled down'} by the coordinator: {result.refused or result.clipped}"
                 )
