@@ -13,6 +13,7 @@ byte streams between each site and the coordinator). Read the figures from an id
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,6 +29,8 @@ from diloco.sim.links import wan_plan
 
 MODES: dict[str, dict[str, Any]] = {
     "blocking": {},
+    # sync.preset=hide_link: diloco-plan's model chooses for the emulated link (diloco/app/preset.py).
+    "preset hide_link": {"sync": {"preset": "hide_link"}},
     "streaming F=5 τ=0": {"sync": {"fragments": 5}},  # H=50: F must divide H (4 does not)
     "streaming F=5 τ=5": {"sync": {"fragments": 5, "overlap": 5}},
     "streaming F=5 τ=5 delta": {"sync": {"fragments": 5, "overlap": 5, "merge": "delta"}},
@@ -80,11 +83,20 @@ def run_one(base: dict[str, Any], extra: dict[str, Any], wan: Any, run_dir: Path
     cfg = run_config_from_dict({**base, **extra, "sync": {**base.get("sync", {}), **extra.get("sync", {})}})
     t = time.monotonic()
     s = run_simulation(cfg, run_dir, progress=None, wan=wan, timeout_s=timeout_s)
+    # What the run resolved to (sync.preset chooses its keys when it starts): config.json.
+    cfg = run_config_from_dict(json.loads((run_dir / "config.json").read_text()))
     workers = _workers(run_dir)
     step_s = statistics.median(w["inner_step_s_median"] for w in workers)
     pushes = cfg.sync_rounds * cfg.sites
     return {
         "config": extra,
+        "chosen": {
+            "sync": {k: v for k, v in dataclasses.asdict(cfg.sync).items() if k in ("fragments", "overlap", "merge", "split", "end", "step_s")},
+            "codec": cfg.codec.name,
+            "codec_down": cfg.downlink_codec.name,
+        }
+        if cfg.sync.preset != "none"
+        else None,
         "wall_s": round(time.monotonic() - t, 1),
         "final_eval_bpb": s["final_eval_bpb"],
         "hashes_equal": s["hashes_equal"],
