@@ -138,7 +138,12 @@ TAU5_AHEAD = seeds("overlap_r10_loopback_s{s}_tau5_ahead_head.json")
 FREEZE_SEEDS = seeds("overlap_r10_loopback_s{s}_tau5_ahead_int4down_balanced_freeze.json")
 BLOCKING_FILES = tuple(f for f, _ in BLOCKING_R10)
 
+DEMO = M + "demo_summary.json"  # scripts/demo.sh's run: .venv/bin/diloco-sim (every default), summary.json
+
 FIGURES: list[Figure] = [
+    # README.md, "Two commands": the demo's output
+    readme("the demo's final held-out bpb", r'"final_eval_bpb": ([\d.]+),', [DEMO], lambda: float(load(DEMO)["final_eval_bpb"])),
+    readme("the demo's last round line", r"round  10/10  workers 4  train_loss [\d.]+  eval_bpb ([\d.]+)", [DEMO], lambda: float(load(DEMO)["final_eval_bpb"])),
     # README.md, "A real multi-site run", "Slow links"
     readme(
         "blocking utilization at 100 Mbit/s",
