@@ -268,9 +268,9 @@ class _DelayedPulls:
         return self._client.pull_update(site_id, round, want)
 
 
-def run_ours(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    work.mkdir(parents=True, exist_ok=True)
-    common = [
+def _common_args(a: argparse.Namespace, work: Path) -> list[str]:
+    """The arguments both sides' workers take."""
+    return [
         "--layers",
         str(a.layers),
         "--H",
@@ -286,6 +286,11 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "--timeout",
         str(a.timeout),
     ]
+
+
+def run_ours(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    common = _common_args(a, work)
     if a.no_checkpoint:
         common.append("--no-checkpoint")
     if a.early_pull_delay:
@@ -438,22 +443,7 @@ def _sha256(params: dict[str, Any]) -> str:
 
 def run_torchft(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    common = [
-        "--layers",
-        str(a.layers),
-        "--H",
-        str(a.H),
-        "--rounds",
-        str(a.rounds),
-        "--batch",
-        str(a.batch),
-        "--stagger",
-        str(a.stagger),
-        "--work",
-        str(work),
-        "--timeout",
-        str(a.timeout),
-    ]
+    common = _common_args(a, work)
     py = a.torchft_python
     if a.tft_bucketize:
         common.append("--tft-bucketize")

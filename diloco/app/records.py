@@ -164,6 +164,9 @@ class WorkerRecord:
     uncounted: dict[str, str] | None = _f(
         "round -> why the coordinator took its push without counting it, or counted it scaled down (robust.*, a withheld push)", optional=True
     )
+    momentum_pulled: list[int] | None = _f(
+        "sync.mode=eager or sync.merge=ahead: the rounds whose outer momentum it took with a pull of θ (joining, or again after a restart)", optional=True
+    )
     restored: dict[str, Any] | None = _f(
         "its own checkpoint restored at start: {round, exact (sampler and residual too), hash_matches (θ as the checkpoint recorded), tokens}", optional=True
     )

@@ -130,6 +130,7 @@ def _sync_record(sync: OuterSync) -> dict[str, Any]:
         "merged_rounds": sync.stats.merged_rounds,
         "diverged_rounds": sync.stats.diverged_rounds,
         "uncounted": {str(r): why for r, why in sorted(sync.stats.uncounted.items())} or None,
+        "momentum_pulled": sync.stats.momentum_pulled or None,
         "rejoins": sync.stats.rejoins,
         "reconnects": sync.stats.reconnects,
     }

@@ -288,6 +288,7 @@ class OuterSync:
             buffers = assemble(momentum, self._assembler())
             self._lookahead.follow(buffers.finish())
             self.stats.bytes_down += buffers.payload_bytes
+            self.stats.momentum_pulled.append(status.committed_rounds - 1)
             self._log(f"site {self.site_id}: looks ahead from the coordinator's outer momentum after round {status.committed_rounds - 1} (pulled with θ)")
         self.round = status.committed_rounds
         self._load_global()

@@ -15,6 +15,7 @@ class SyncStats:
     dropped_rounds: list[int] = field(default_factory=list)  # rounds committed without this site's push
     merged_rounds: list[int] = field(default_factory=list)  # rounds whose late push was merged into a later round
     diverged_rounds: list[int] = field(default_factory=list)  # rounds whose Δ was not finite: withheld, the site restarted from θ
+    momentum_pulled: list[int] = field(default_factory=list)  # look-ahead sites: the rounds whose outer momentum came with a pull of θ (a join)
     uncounted: dict[int, str] = field(default_factory=dict)  # round -> why the coordinator took its push without counting it (or scaled it down)
     round_hashes: dict[int, str] = field(default_factory=dict)  # the site's θ hash after each round it applied
     # Seconds per applied round: computing Δ, encoding it, pushing, waiting for the round to
