@@ -20,20 +20,17 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from diloco.boxes import Box
-from diloco.codec import CodecConfig, best_settings, codec_config, get_codec, is_lossless
+from diloco.codec import get_codec, is_lossless
 from diloco.outer import ErrorFeedback, apply_update, nonfinite_count, params_sha256, pseudo_gradient
-from diloco.outer.defaults import section_of
 from diloco.outer.eager import EagerStart
 from diloco.outer.fragments import fragment_of_round, split_fragments
-from diloco.outer.optimizer import OuterConfig
-from diloco.site.exchange import Assembler, Timeouts, assemble, exchange
+from diloco.site.exchange import assemble, exchange
 from diloco.site.heartbeat import Heartbeat
 from diloco.site.host_copy import HostMirror
 from diloco.site.layouts.base import ParallelModel
@@ -42,70 +39,12 @@ from diloco.site.merge import Delta, Mix, merge_for
 from diloco.site.outcome import RoundOutcome
 from diloco.site.phase_start import Delayed, FromGlobal, phase_start
 from diloco.site.stats import SyncStats
-from diloco.site.stripes import StripedPull, box_values, stripe_boxes
-from diloco.sync import RunSettings, SyncConfig
+from diloco.site.stripes import StripedPull, encode_parts, stripe_boxes
+from diloco.site.sync_types import PendingRound, SyncOptions
+from diloco.sync import RunSettings
 from diloco.transport import CoordinatorClient, retrying
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, SiteEval
-from diloco.wire import MAX_CHUNK_BYTES, ChunkAssembler, SliceAssembler, encode_chunks
-
-
-@dataclass(frozen=True)
-class SyncOptions:
-    """A site's own side of the sync: what it states at Join, and how it talks."""
-
-    # The settings this site goes by where the coordinator owns none (a library coordinator);
-    # None: the defaults (RunSettings.defaults). Where the coordinator hands out the run's,
-    # those replace these, all but ``sync.streams``, which stays the site's own.
-    own: RunSettings | None = None
-    # Keys of ``own`` (dotted; a section's name takes all of it) that this site's configuration
-    # set explicitly: stated at Join, refused by a coordinator whose run has other values.
-    stated: tuple[str, ...] = ()
-    chunk_bytes: int = MAX_CHUNK_BYTES
-    timeouts: Timeouts = field(default_factory=Timeouts)
-
-    @property
-    def settings(self) -> RunSettings:
-        return self.own if self.own is not None else RunSettings.defaults()
-
-    @staticmethod
-    def of(
-        *,
-        codec: CodecConfig | str | None = None,
-        error_feedback: bool = True,
-        error_feedback_decay: float | None = None,
-        outer: OuterConfig | None = None,
-        chunk_bytes: int = MAX_CHUNK_BYTES,
-        timeouts: Timeouts | None = None,
-        **sync: Any,
-    ) -> SyncOptions:
-        """Options for a library coordinator (which owns no settings): the site's own settings
-        are the defaults with these (``sync``: SyncConfig's fields); nothing is stated."""
-        base = RunSettings.defaults()
-        c = codec_config(codec) if codec is not None else base.codec
-        decay = float(best_settings(c.name)["error_feedback_decay"]) if error_feedback_decay is None else float(error_feedback_decay)  # type: ignore[arg-type]
-        own = dataclasses.replace(
-            base, sync=SyncConfig(**sync), codec=c, codec_down=c, error_feedback=error_feedback, error_feedback_decay=decay,
-            outer=section_of(outer) if outer is not None else base.outer,
-        )  # fmt: skip
-        return SyncOptions(own=own, chunk_bytes=chunk_bytes, timeouts=timeouts or Timeouts())
-
-
-@dataclass
-class PendingRound:
-    """A round between ``begin`` and ``finish``: what is pushed, and (after ``exchange``) how
-    it went."""
-
-    header: PushHeader
-    chunks: list[Chunk]
-    residual: dict[str, torch.Tensor] | None  # the uplink error if this push counts
-    times: dict[str, float]
-    names: tuple[str, ...] = ()  # the parameters this round syncs (its fragment's)
-    parts: list[tuple[PushHeader, list[Chunk]]] = field(default_factory=list)  # striped: the push's parts, one per stream
-    delta: dict[str, torch.Tensor] | None = None  # the site's own Δ (kept for an eager start point)
-    at_push: dict[str, torch.Tensor] | None = None  # merge=delta/ahead: the fragment's local values when it was pushed (ahead: looked ahead)
-    outcome: RoundOutcome | None = None
-    update: Assembler | None = None
-    diverged: bool = False  # Δ was not finite: the push is withheld and the site restarts from θ
+from diloco.wire import ChunkAssembler, SliceAssembler, encode_chunks
 
 
 class OuterSync:
@@ -394,20 +333,7 @@ class OuterSync:
         return self.settings.sync.streams
 
     def _encode_parts(self, header: PushHeader, delta: dict[str, torch.Tensor], held: dict[str, Box]) -> list[tuple[PushHeader, list[Chunk]]]:
-        """The push as one part per stream: Δ's slices striped over ``streams`` parts (numbered
-        after the site's ranks' own: rank × k + i of world × k), each encoded on its own."""
-        k, chunk_bytes = self._streams, self.options.chunk_bytes
-        shapes = {n: self._specs[n].shape for n in held}
-        if k == 1:
-            boxes = {n: (held[n], shapes[n]) for n in held}
-            return [(header, list(encode_chunks(delta, codec=self.codec, chunk_bytes=chunk_bytes, boxes=boxes)))]
-        parts = []
-        for i, stripe in enumerate(stripe_boxes(held, shapes, k, split_rows=self.layout.world == 1)):
-            values = {n: box_values(delta[n], held[n], b) for n, b in stripe.items()}
-            chunks = list(encode_chunks(values, codec=self.codec, chunk_bytes=chunk_bytes, boxes={n: (b, shapes[n]) for n, b in stripe.items()}))
-            part = dataclasses.replace(header, part=header.part * k + i, parts=header.parts * k, eval=header.eval if i == 0 else None)
-            parts.append((part, chunks))
-        return parts
+        return encode_parts(header, delta, held, self._specs, self.codec, self.options.chunk_bytes, self._streams, split_rows=self.layout.world == 1)
 
     def _pull_plan(self, names: tuple[str, ...]) -> tuple[list[dict[str, Box] | None], Callable[[], Any]]:
         """What each pull stream asks for, and the assembler they fill."""

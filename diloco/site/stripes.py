@@ -11,13 +11,15 @@ which stream depends only on the shapes and ``k``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from diloco.boxes import Box
-from diloco.types import TensorSpec
-from diloco.wire import SliceAssembler
+from diloco.codec import Codec
+from diloco.types import Chunk, PushHeader, TensorSpec
+from diloco.wire import SliceAssembler, encode_chunks
 
 
 def stripe_boxes(held: Mapping[str, Box], shapes: Mapping[str, tuple[int, ...]], k: int, split_rows: bool = True) -> list[dict[str, Box]]:
@@ -83,3 +85,23 @@ class StripedPull:
                 rel = tuple(slice(a - h, a - h + n) for a, h, n in zip(box.start, held.start, box.shape))
                 buf[rel] = got[name]
         return out
+
+
+def encode_parts(
+    header: PushHeader, delta: Mapping[str, torch.Tensor], held: Mapping[str, Box], specs: Mapping[str, TensorSpec], codec: Codec, chunk_bytes: int,
+    streams: int, split_rows: bool,
+) -> list[tuple[PushHeader, list[Chunk]]]:  # fmt: skip
+    """A push as one part per stream: Δ's slices (``held``: the boxes this rank pushes) striped
+    over ``streams`` parts, numbered after the site's ranks' own (rank × k + i of world × k),
+    each encoded on its own; one part, the header's own, for one stream."""
+    shapes = {n: specs[n].shape for n in held}
+    if streams == 1:
+        boxes = {n: (held[n], shapes[n]) for n in held}
+        return [(header, list(encode_chunks(delta, codec=codec, chunk_bytes=chunk_bytes, boxes=boxes)))]
+    parts = []
+    for i, stripe in enumerate(stripe_boxes(held, shapes, streams, split_rows=split_rows)):
+        values = {n: box_values(delta[n], held[n], b) for n, b in stripe.items()}
+        chunks = list(encode_chunks(values, codec=codec, chunk_bytes=chunk_bytes, boxes={n: (b, shapes[n]) for n, b in stripe.items()}))
+        part = dataclasses.replace(header, part=header.part * streams + i, parts=header.parts * streams, eval=header.eval if i == 0 else None)
+        parts.append((part, chunks))
+    return parts
