@@ -43,8 +43,11 @@ import torch
 from torch import nn
 
 from diloco.codec import CodecConfig, codec_config
+from diloco.outer import params_sha256
 from diloco.security.config import SecurityConfig
 from diloco.site.exchange import Timeouts
+from diloco.site.layouts.base import ParallelModel
+from diloco.site.layouts.build import site_group
 from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.sync import RunSettings
 from diloco.transport import CoordinatorClient
@@ -203,7 +206,16 @@ class DiLoCo:
         after_last_round: str = "warn",
         connect_timeout_s: float = 120.0,
         security: SecurityConfig | None = None,
+        process_group: Any = None,
     ) -> None:
+        group = site_group(process_group)
+        if group is not None:  # every rank's arguments, compared before any of them is checked
+            given = {"site_id": site_id, "coordinator": coordinator, "sync_every": sync_every, "codec": codec}
+            given.update(error_feedback=error_feedback, error_feedback_decay=error_feedback_decay)
+            given = {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for k, v in given.items()}
+            from diloco.site.layouts.found import FoundModel  # DTensor's machinery: only for a multi-rank site
+
+            layout: ParallelModel = FoundModel(model, group, given)
         check_site_args(site_id, sync_every, tokens_per_step)
         check_sync_args(error_feedback, error_feedback_decay, round_timeout_s)
         if after_last_round not in AFTER_LAST_ROUND:
@@ -218,10 +230,12 @@ class DiLoCo:
         # a run with other values refuses this site, naming the setting.
         options = SyncOptions(own=own, stated=stated, timeouts=Timeouts(round_timeout_s=float(round_timeout_s)))
         # A diverged round (Δ not finite) restarts from θ; the optimizer's state had the NaN too.
-        self.sync = OuterSync(model, self._client, str(site_id), options, on_diverged=optimizer.state.clear if optimizer is not None else None)
+        self.layout: ParallelModel = layout if group is not None else ParallelModel(model)
+        self.sync = OuterSync(self.layout, self._client, str(site_id), options, on_diverged=optimizer.state.clear if optimizer is not None else None)
         self._hook: Any = None
         self._steps_in_round = 0
-        self._tokens_in_round = 0
+        self._tokens_in_round = 0  # tokens counted (given) in the open round
+        self._default_tokens = 0  # the weight of its steps that counted none (tokens_per_step each)
         self._pending_tokens: int | None = None  # add_tokens() since the last step; None: none added
         self._losses: list[float] = []
         self._warned = False
@@ -307,6 +321,7 @@ class DiLoCo:
         ``add_tokens`` since the last step, else ``tokens_per_step``; a given count wins over
         the added ones, which are then discarded). Returns True when the round is due: the
         caller must then call ``end_round()``."""
+        counted = tokens is not None or self._pending_tokens is not None
         if tokens is None:
             tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
         else:
@@ -317,7 +332,10 @@ class DiLoCo:
             self.steps_after_last_round += 1
             return False
         self._steps_in_round += 1
-        self._tokens_in_round += tokens
+        if counted:
+            self._tokens_in_round += tokens
+        else:
+            self._default_tokens += tokens
         return self._steps_in_round >= self.sync_every
 
     def end_round(self) -> None:
@@ -326,18 +344,36 @@ class DiLoCo:
         new global θ. If the round was committed without this push (too late), or the site was
         evicted, the round's work is dropped (see ``dropped_rounds``) and the site goes on
         from the coordinator's current θ."""
-        loss = sum(self._losses) / len(self._losses) if self._losses else math.nan
-        self.sync.sync(tokens=max(self._tokens_in_round, 1), train_loss=loss, inner_steps=self._steps_in_round)
+        if self.layout.world == 1:
+            tokens = self._tokens_in_round + self._default_tokens
+            loss = sum(self._losses) / len(self._losses) if self._losses else math.nan
+        else:  # the tokens the ranks counted, summed (the steps' default weight only where no rank counted any)
+            counted, loss_sum, losses, default = self.layout.sum([self._tokens_in_round, sum(self._losses), len(self._losses), self._default_tokens])
+            tokens = counted if counted > 0 else default / self.layout.world
+            loss = loss_sum / losses if losses else math.nan
+        self.sync.sync(tokens=max(int(tokens), 1), train_loss=loss, inner_steps=self._steps_in_round)
         self._steps_in_round = 0
         self._tokens_in_round = 0
+        self._default_tokens = 0
         self._losses = []
 
     def leave(self) -> None:
-        """Leaves the run (reporting the hash of the site's global θ) and closes the connection."""
+        """Leaves the run (the leader rank, reporting the hash of the site's global θ) and
+        closes the connection (every rank must call it)."""
         try:
-            self.sync.leave()
+            digest = self.global_sha256()
+            if self.layout.leader:
+                self.sync.leave(digest)
         finally:
             self.close()
+
+    def global_sha256(self) -> str:
+        """The hash of the site's copy of the global θ (params_sha256 of the whole tensors).
+        On a multi-rank site every rank must call it: the ranks' slices are gathered whole,
+        which costs a model's worth of memory: for checks, not for every round."""
+        if self.layout.world == 1:
+            return self.sync.global_sha256()
+        return params_sha256(self.layout.whole(self.sync.global_params))  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Stops the heartbeats and closes the connection without leaving (after a failure)."""

@@ -118,12 +118,12 @@ class OuterSync:
 
     # ---- joining -------------------------------------------------------------------------
     def join(self) -> JoinInfo:
-        """Registers with the coordinator (every rank of the site, under the site's id), takes
-        the run's settings, loads the global θ (this rank's slices) into the model and starts
-        heartbeats (three per lease, from the site's leader rank). If the coordinator has no θ₀
-        yet (init=site) and chose this site as its source, the site first uploads its own
-        parameters."""
-        info = self._join()
+        """Registers with the coordinator (the site's leader rank, for the site: the other ranks
+        take its answer), takes the run's settings, loads the global θ (each rank its slices)
+        into the model and starts heartbeats (three per lease, from the leader). If the
+        coordinator has no θ₀ yet (init=site) and chose this site as its source, the site first
+        uploads its own parameters."""
+        info = self.layout.from_leader(self._join)
         if info.upload_init:
             self._upload_init()
         self.total_rounds = info.total_rounds

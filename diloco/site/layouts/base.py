@@ -3,9 +3,9 @@ batch, and the parameter slices this rank keeps in sync with the coordinator."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,8 @@ from diloco.boxes import Box
 from diloco.site.inner import clip_grad_norm, model_device
 from diloco.types import TensorSpec
 from diloco.wire.fingerprint import fingerprint
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,16 @@ class ParallelModel:
         """The mean of ``value`` over the site's ranks (every rank must call it)."""
         return value
 
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """The sums of ``values`` over the site's ranks (every rank must call it)."""
+        return [float(v) for v in values]
+
+    def from_leader(self, fn: Callable[[], T]) -> T:
+        """``fn()`` called on the leader rank only; every rank returns its result (every rank
+        must call it). When it raises, the leader raises that, the other ranks a RuntimeError
+        with its message."""
+        return fn()
+
     def barrier(self) -> None:
         pass
 
@@ -88,6 +100,8 @@ _FLAG_BITS = 16
 class DistributedModel(ParallelModel):
     """A layout over the ranks of a torch.distributed process group (the site's torchrun)."""
 
+    group: Any = None  # the site's process group (None: the whole world)
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.rank = dist.get_rank()
@@ -103,18 +117,39 @@ class DistributedModel(ParallelModel):
 
     def agree(self, flags: int) -> int:
         bits = torch.tensor([(flags >> i) & 1 for i in range(_FLAG_BITS)], dtype=torch.int64)
-        dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+        dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=self.group)
         return sum(int(b) << i for i, b in enumerate(bits.tolist()))
 
     def mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item()) / self.world
+        return self.sum([value])[0] / self.world
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return [float(v) for v in t.tolist()]
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def from_leader(self, fn: Callable[[], T]) -> T:
+        result: list[Any] = [None]
+        error: Exception | None = None
+        if self.leader:
+            try:
+                result[0] = ("ok", fn())
+            except Exception as e:  # the other ranks raise it too, by its message
+                error = e
+                result[0] = ("error", f"{type(e).__name__}: {e}")
+        leader = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(result, src=leader, group=self.group)
+        if error is not None:
+            raise error
+        kind, value = result[0]
+        if kind == "error":
+            raise RuntimeError(f"the site's rank 0 failed: {value}")
+        return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,3 +72,15 @@ def build_layout(layout: LayoutConfig, model: nn.Module) -> ParallelModel:
 
         return PipelineModel(model, microbatches=layout.microbatches)
     raise ValueError(f"layout={layout.name!r}: not built")
+
+
+def site_group(process_group: Any = None) -> Any:
+    """The process group of a site's ranks: ``process_group``, else the whole world when
+    torch.distributed is initialised with more than one rank; None for a one-process site."""
+    if process_group is not None:
+        if not dist.is_initialized():
+            raise ValueError("process_group is given but torch.distributed is not initialised (init_process_group first)")
+        return process_group if dist.get_world_size(process_group) > 1 else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
