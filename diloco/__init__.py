@@ -6,11 +6,15 @@
 
 from typing import Any
 
-__all__ = ["DiLoCo", "RunFinished", "RunFinishedWarning", "SecurityConfig"]
+__all__ = ["DiLoCo", "RunFinished", "RunFinishedWarning", "SecurityConfig", "init_distributed"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing diloco.model or diloco.outer does not pull in grpc.
+    if name == "init_distributed":
+        from diloco.site.layouts.build import init_distributed
+
+        return init_distributed
     if name in __all__:
         import diloco.api
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco import DiLoCo
+from diloco import DiLoCo, init_distributed
 from diloco.outer import params_sha256
 
 D_IN = 16
@@ -132,7 +132,7 @@ def main() -> None:
 
     distributed = args.parallel != "none"
     if distributed:
-        dist.init_process_group("gloo")
+        init_distributed("gloo")  # init_process_group that survives torchrun's restarts
     rank = dist.get_rank() if distributed else 0
     model, dp, dps = parallelise(build(args.seed), args.parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -16,6 +17,23 @@ from diloco.site.layouts.config import LayoutConfig
 def launched_ranks() -> int:
     """The number of processes torchrun started for this site (1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(backend: str | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)`` that survives torchrun's
+    restarts: under torchrun (``--max-restarts``) the group's rendezvous keys go under a prefix
+    of the restart attempt, in the store torchrun's agent serves. Torch 2.13 reuses that store
+    across restarts without one, so a restarted group finds its dead predecessors' addresses
+    and fails (gloo: ``connectFullMesh ... Connection refused``; pytorch/pytorch#167288 for
+    NCCL). Outside torchrun (or with ``store=``/``init_method=`` given) it is the plain call."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "store" in kwargs or "init_method" in kwargs:
+        dist.init_process_group(backend, **kwargs)
+        return
+    timeout = kwargs.get("timeout") or timedelta(minutes=10)
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"/diloco/attempt_{attempt}", agent)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
 
 
 def init_site_group(layout: LayoutConfig, device: torch.device | None = None) -> None:
@@ -32,9 +50,9 @@ def init_site_group(layout: LayoutConfig, device: torch.device | None = None) ->
     if layout.ranks > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             on_gpu = device is not None and device.type == "cuda"
-            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device if on_gpu else None)
+            init_distributed("cpu:gloo,cuda:nccl", device_id=device if on_gpu else None)
         else:
-            dist.init_process_group("gloo")
+            init_distributed("gloo")
 
 
 def close_site_group() -> None:

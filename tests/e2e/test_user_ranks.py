@@ -1,0 +1,154 @@
+"""A user's own multi-rank trainer as a site: ``DiLoCo(...)`` on every rank of torchrun groups
+(gloo, CPU) that parallelise an MLP the project does not know in every way torch offers, in
+one run against a real ``diloco-coordinator`` (θ₀ from a file) over real gRPC.
+
+One run, six sites (tests/user_ranks_site.py): one process; FSDP2 ``fully_shard`` on 2 ranks
+(rank 1 SIGKILLed in round 1's last step: torchrun restarts the group and the site rejoins);
+tensor parallel ``parallelize_module`` on 2 ranks; a 2-D mesh (dp_shard 2 x tp 2) on 4 ranks;
+two pipeline stages by hand; DDP on 2 ranks (the wrapper given to DiLoCo). Before any of them
+joins, the bad sites of tests/user_ranks_refusals.py are each refused, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from user_ranks_site import build
+
+from diloco.outer import params_sha256
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SITES = {"one": ("none", 1), "fsdp": ("fsdp", 2), "tp": ("tp", 2), "mesh2d": ("tp_fsdp", 4), "pp": ("pp", 2), "ddp": ("ddp", 2)}
+ROUNDS, H, BATCH = 3, 4, 16
+PARAMS = sum(p.numel() for p in build(0).parameters())
+
+
+def _popen(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT / "tests")
+
+
+def _torchrun(ranks: int, script: str, *args: str) -> list[str]:
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=1"]
+    return [*run, script, *args] if ranks > 1 else [sys.executable, script, *args]
+
+
+def _logs(d: Path) -> str:
+    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(d.glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("ranks")
+    theta0 = {n: p.detach() for n, p in build(0).named_parameters()}
+    torch.save(theta0, d / "theta0.pt")
+    port_file = d / "port.json"
+    bin_dir = Path(sys.executable).parent
+    coord_args = [f"init.path={d / 'theta0.pt'}", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}", "coordinator.port=0"]
+    procs = [
+        _popen(
+            [str(bin_dir / "diloco-coordinator"), "init=file", *coord_args, f"coordinator.port_file={port_file}", f"hydra.run.dir={d / 'coord'}"],
+            d / "coord.log",
+        )
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, _logs(d)
+            time.sleep(0.1)
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+        refusals = _popen(_torchrun(2, "user_ranks_refusals.py", "--coordinator", address, "--out", str(d / "refusals.json")), d / "refusals.log")
+        procs.append(refusals)
+        assert refusals.wait(timeout=120) == 0, _logs(d)
+        sites = []
+        for seed, (site, (how, ranks)) in enumerate(SITES.items()):
+            args = ["--parallel", how, "--coordinator", address, "--site-id", site, "--seed", str(seed), "--sync-every", str(H)]
+            args += ["--batch", str(BATCH), "--out", str(d / f"{site}.json")]
+            if site == "fsdp":
+                args += ["--kill-rank", "1", "--kill-round", "1"]
+            sites.append(_popen(_torchrun(ranks, "user_ranks_site.py", *args), d / f"{site}.log"))
+        procs += sites
+        for p in [*sites, procs[0]]:
+            assert p.wait(timeout=180) == 0, _logs(d)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    return {
+        "theta0_sha256": params_sha256(theta0),
+        "refusals": json.loads((d / "refusals.json").read_text()),
+        "final": json.loads((d / "coord" / "global.json").read_text()),
+        "metrics": [json.loads(line) for line in (d / "coord" / "metrics.jsonl").read_text().splitlines()],
+        "sites": {s: json.loads((d / f"{s}.json").read_text()) for s in SITES},
+    }
+
+
+def test_every_site_holds_the_coordinators_theta_after_every_round(run: dict[str, Any]) -> None:
+    metrics, final = run["metrics"], run["final"]
+    assert [m["round"] for m in metrics] == list(range(ROUNDS)) and final["rounds_committed"] == ROUNDS
+    by_round = {str(m["round"]): m["global_sha256"] for m in metrics}
+    for site, result in run["sites"].items():
+        # the whole model (DTensors gathered with full_tensor(), the stages united) after each round
+        hashes = result["round_sha256"]
+        first = 1 if site == "fsdp" else 0  # the restarted group started from round 0's θ
+        assert hashes["start"] == (run["theta0_sha256"] if first == 0 else by_round["0"]), site
+        assert {r: h for r, h in hashes.items() if r != "start"} == {r: h for r, h in by_round.items() if int(r) >= first}, site
+        assert result["global_sha256"] == final["global_sha256"], site
+    assert run["sites"]["fsdp"]["restarts"] == 1  # torchrun restarted the killed group once
+    assert all(r["restarts"] == 0 for s, r in run["sites"].items() if s != "fsdp")
+
+
+def test_each_rank_sends_its_share_and_the_site_one_model(run: dict[str, Any]) -> None:
+    for m in run["metrics"]:
+        assert sorted(m["participants"]) == sorted(SITES)
+        # tokens summed over each site's ranks, counted once per sample: BATCH per step everywhere
+        assert m["tokens"] == len(SITES) * H * BATCH, m["tokens"]
+        for site, parts in m["sliced"].items():
+            _, ranks = SITES[site]
+            assert [p["part"] for p in parts] == list(range(ranks)), (site, parts)
+            assert sum(p["numel"] for p in parts) == PARAMS, (site, parts)  # every element sent once
+        assert sorted(m["sliced"]) == sorted(s for s, (_, ranks) in SITES.items() if ranks > 1)
+    for site, result in run["sites"].items():
+        pushed = [r["pushed"] for r in result["ranks"]]
+        assert len(pushed) == SITES[site][1] and sum(pushed) == PARAMS, (site, pushed)
+    # sharded sites split the work about evenly; FSDP2 sends no whole tensor but the tiny last layer's
+    fsdp = run["metrics"][0]["sliced"]["fsdp"]
+    assert all(abs(p["numel"] - PARAMS / 2) < 0.05 * PARAMS for p in fsdp), fsdp
+    assert sum(p["whole"] for p in fsdp) == 2  # 4.weight [1, 64] and 4.bias [1]: one row, on rank 0
+    # the pipeline's stages push what they hold: layers 0-3 and layer 4
+    assert [p["numel"] for p in run["metrics"][0]["sliced"]["pp"]] == [PARAMS - 65, 65]
+
+
+def test_bad_sites_are_refused_before_their_first_push_naming_what_is_wrong(run: dict[str, Any]) -> None:
+    refused = run["refusals"]
+    expected = {
+        "two_site_ids": "given different site_id (rank 0: 'site-0'; rank 1: 'site-1')",
+        "two_sync_every": "given different sync_every (rank 0: 4; rank 1: 5)",
+        "shapes_disagree": "the ranks disagree on parameter '0.bias' (rank 0: [64] float32; rank 1: [32] float32)",
+        "overlap": "parameter '0.weight' of shape [64, 16] is not held exactly once by the site's ranks: slices [0:32, 0:16] and [0:64, 0:16] overlap",
+        "gap": "slices [0:32, 0:16] cover 512 of 1024 elements (a gap) ([0:32, 0:16] on rank 0)",
+        "partial": "rank 1 of the site: parameter '0.weight' has a Partial placement",
+        "fsdp1": "is a flat parameter of FullyShardedDataParallel (FSDP1)",
+        "held_by_no_rank": "does not match the coordinator's (θ₀ from init.path=",
+    }
+    assert sorted(refused) == sorted(expected)
+    for case, says in expected.items():
+        assert len(refused[case]) == 2, case  # both ranks raised: neither waits for the other
+        for rank_said in refused[case]:
+            assert says in rank_said, (case, rank_said)
+    assert "missing parameter '4.bias'" in refused["held_by_no_rank"][1]  # rank 1 says what rank 0 was told
+    # θ unchanged by all of it: round 0 started from θ₀ and counted the good sites only
+    assert run["sites"]["one"]["round_sha256"]["start"] == run["theta0_sha256"]
+    assert "bad" not in run["metrics"][0]["participants"]
