@@ -46,7 +46,7 @@ from diloco.codec import CodecConfig, codec_config
 from diloco.outer import params_sha256
 from diloco.security.config import SecurityConfig
 from diloco.site.exchange import Timeouts
-from diloco.site.layouts.base import ParallelModel
+from diloco.site.layouts.base import ParallelModel, unwrap
 from diloco.site.layouts.build import site_group
 from diloco.site.outer_sync import OuterSync, SyncOptions
 from diloco.sync import RunSettings
@@ -230,7 +230,7 @@ class DiLoCo:
         # a run with other values refuses this site, naming the setting.
         options = SyncOptions(own=own, stated=stated, timeouts=Timeouts(round_timeout_s=float(round_timeout_s)))
         # A diverged round (Δ not finite) restarts from θ; the optimizer's state had the NaN too.
-        self.layout: ParallelModel = layout if group is not None else ParallelModel(model)
+        self.layout: ParallelModel = layout if group is not None else ParallelModel(unwrap(model))
         self.sync = OuterSync(self.layout, self._client, str(site_id), options, on_diverged=optimizer.state.clear if optimizer is not None else None)
         self._hook: Any = None
         self._steps_in_round = 0

@@ -26,37 +26,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from diloco.boxes import Box, tiling_problem
-from diloco.site.layouts.base import DistributedModel, Held
+from diloco.site.layouts.base import DistributedModel, Held, LayoutError, unwrap
 from diloco.site.layouts.fsdp import dtensor_box
 from diloco.types import TensorSpec
 from diloco.wire.chunks import dtype_name
-
-
-class LayoutError(ValueError):
-    """The ranks of a site hold parameters that do not make one model (a gap, an overlap, ranks
-    that disagree) or that the site cannot see into; the message names the tensor and ranks."""
-
-
-# Wrappers whose only effect on the parameters is a prefix: the site reads the module inside.
-_SEE_THROUGH = (("DistributedDataParallel", "module"), ("DataParallel", "module"), ("OptimizedModule", "_orig_mod"))
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """``model`` without the wrappers that only rename its parameters; LayoutError for FSDP1,
-    whose flat parameters hide which slices of which tensors a rank holds."""
-    seen = True
-    while seen:
-        seen = False
-        for cls, attr in _SEE_THROUGH:
-            if type(model).__name__ == cls and isinstance(getattr(model, attr, None), nn.Module):
-                model, seen = getattr(model, attr), True
-    for name, p in model.named_parameters():
-        if type(p).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in name or name.endswith("_flat_param"):
-            raise LayoutError(
-                f"parameter {name!r} is a flat parameter of FullyShardedDataParallel (FSDP1): a site cannot see which slices "
-                "of which tensors it holds; shard the model with torch.distributed.fsdp.fully_shard (FSDP2) instead"
-            )
-    return model
 
 
 @dataclass(frozen=True)
