@@ -17,7 +17,7 @@ import torch
 from diloco.codec import CodecError
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.gate import Gate
-from diloco.coordinator.init_source import decode_upload, upload_problem
+from diloco.coordinator.init_source import InitParts, checked_upload, decode_upload, upload_problem
 from diloco.coordinator.intake import Intake
 from diloco.coordinator.round_book import RoundBook
 from diloco.coordinator.sessions import Sessions
@@ -25,7 +25,7 @@ from diloco.coordinator.shard import Shard
 from diloco.errors import CoordinatorError
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval
-from diloco.wire import mismatches
+from diloco.wire import check_part, mismatches
 
 JOIN_WAIT_S = 20.0  # init=site: how long a Join waits for θ₀ before it is told to try again
 
@@ -49,6 +49,7 @@ class Joins:
         round status (under the lock)."""
         self.cfg, self.gate, self.sessions, self.shard, self.intake, self.book = cfg, gate, sessions, shard, intake, book
         self._run_id, self._install, self._status, self._on_init = run_id, install, status, on_init
+        self._init_parts: InitParts | None = None  # θ₀ from a multi-rank source, until its last part
 
     def join(self, request: JoinRequest) -> JoinInfo:
         """Admits a site whose model matches θ's fingerprint and whose stated settings are the
@@ -119,19 +120,30 @@ class Joins:
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """θ₀ from the site that Join chose as its source (init=site): every tensor it declared,
-        whole, float32, finite, sent lossless; all or nothing. A refused upload leaves θ₀ unset
-        and the role to the next site that joins; an accepted one is checkpointed (round 0)
-        before any site can pull it, so a restarted coordinator never asks again."""
+        float32, finite, sent lossless; whole from a one-rank site, or one part per rank
+        (``header.parts``) whose slices tile every tensor once. All or nothing: a refused
+        upload (any part) leaves θ₀ unset and the role to the next site that joins; an
+        accepted one is checkpointed (round 0) before any site can pull it, so a restarted
+        coordinator never asks again."""
         self.intake.check_header(header, "upload of θ₀")
-        site = header.site_id
+        site, sliced = header.site_id, header.parts > 1
         with self.gate.cv:
             self.gate.healthy()
             if self.shard.ready:
                 raise CoordinatorError("failed_precondition", f"θ₀ is already set (from {self.shard.init_from}); join again to pull it")
-            why = self.sessions.election.start(site)
+            election = self.sessions.election
+            if self._init_parts is not None and (self._init_parts.site_id != election.source or not sliced):
+                self._init_parts = None  # a source that timed out, or one that sends whole now
+            why = election.start(site, part=sliced and self._init_parts is not None)
+            if why is None and sliced:
+                if self._init_parts is None:
+                    self._init_parts = InitParts(site, header.parts, election.specs)
+                why = self._init_parts.problem(site, header.part, header.parts)
+                if why is not None:
+                    election.part_done(site)
             if why is not None:
                 raise CoordinatorError("failed_precondition", why)
-            specs = dict(self.sessions.election.specs)
+            specs, parts = dict(election.specs), self._init_parts
 
         def keep_alive() -> None:
             with self.gate.cv:
@@ -141,15 +153,30 @@ class Joins:
                     raise CodecError(f"the upload stopped counting: {e.args[0]}") from None
 
         try:
-            params, payload_bytes = decode_upload(specs, chunks, keep_alive)
+            if sliced:
+                kept, _, payload_bytes = check_part(specs, checked_upload(chunks, keep_alive, sliced=True))
+                with self.gate.cv:
+                    if self._init_parts is not parts or parts is None:
+                        raise CodecError("another part of this upload was refused, or the source lost its role")
+                    params = parts.add(header.part, kept, payload_bytes)
+                    self.sessions.election.part_done(site)
+                    if params is None:  # the other ranks' parts are still to come
+                        return PushResult(accepted=True, duplicate=False, round=0, payload_bytes=payload_bytes)
+                    self._init_parts = None
+                    payload_bytes = parts.payload_bytes
+            else:
+                params, payload_bytes = decode_upload(specs, chunks, keep_alive)
         except BaseException as e:
             reason = str(e) if isinstance(e, CodecError) else f"the upload broke off ({type(e).__name__})"
             with self.gate.cv:
+                if self._init_parts is parts:
+                    self._init_parts = None
                 self.sessions.election.release(site, reason)
                 self.sessions.members.leave(site)  # it holds no round open; the next site takes the role
                 self.gate.cv.notify_all()
             if isinstance(e, CodecError):
-                raise CoordinatorError("invalid_argument", f"θ₀ from site {site!r} refused: {e}") from None
+                part = f" (part {header.part} of {header.parts})" if sliced else ""
+                raise CoordinatorError("invalid_argument", f"θ₀ from site {site!r}{part} refused: {e}") from None
             raise
         with self.gate.cv:
             # θ₀ is installed and checkpointed under the lock: until it is, no site can push or

@@ -140,7 +140,7 @@ class OuterSync:
         backoff, for as long as it would wait for a round (a large θ₀ takes a while to upload)."""
         t = self.options.timeouts
         stated = self.options.settings.stated(self.options.stated) if self.options.stated else {}
-        request = JoinRequest(self.site_id, tuple(self._specs.values()), can_upload=self.layout.world == 1, stated=stated)
+        request = JoinRequest(self.site_id, tuple(self._specs.values()), can_upload=True, stated=stated)
         return retrying(
             lambda: self.client.join(request), limit_s=max(t.reconnect_timeout_s, t.round_timeout_s), what=f"site {self.site_id} join", log=self._log
         )
@@ -175,9 +175,13 @@ class OuterSync:
         self._configured = True
 
     def _upload_init(self) -> None:
-        """Sends this site's parameters as θ₀ (float32, lossless, the framing of a push)."""
-        chunks = encode_chunks(self.local.values(), codec=get_codec("fp32"), chunk_bytes=self.options.chunk_bytes)
-        header = PushHeader(site_id=self.site_id, round=0, tokens=1, train_loss=math.nan, inner_steps=0)
+        """Sends this site's parameters as θ₀ (float32, lossless, the framing of a push); the
+        ranks of a multi-rank site each send the slices they push, as one part of it."""
+        pushed = {n: h for n, h in self.layout.held().items() if h.push}
+        values = self.local.values(pushed)
+        boxes = None if self.layout.world == 1 else {n: (h.box, self._specs[n].shape) for n, h in pushed.items()}
+        chunks = encode_chunks(values, codec=get_codec("fp32"), chunk_bytes=self.options.chunk_bytes, boxes=boxes)
+        header = PushHeader(site_id=self.site_id, round=0, tokens=1, train_loss=math.nan, inner_steps=0, part=self.layout.rank, parts=self.layout.world)
         result = self.client.upload_init(header, chunks)
         self.stats.bytes_up += result.payload_bytes
         self.uploaded_init = True

@@ -20,6 +20,7 @@ from helpers import coordinator, join, push, run_ok, served_coordinator
 
 from diloco.app.config import ConfigError, InitConfig, RunConfig
 from diloco.app.coordinator import initial_params
+from diloco.boxes import Box
 from diloco.codec import get_codec
 from diloco.coordinator import Coordinator, CoordinatorConfig, CoordinatorError
 from diloco.coordinator.init_file import InitFileError, load_init_file
@@ -145,6 +146,48 @@ def test_a_refused_source_leaves_the_role_to_the_next_site_and_theta_unset() -> 
     assert coord.global_sha256() == params_sha256(good)
     with pytest.raises(CoordinatorError, match=r"does not match the coordinator's \(θ₀ from site 'b'\)"):
         coord.join(JoinRequest("d", tuple(list(fingerprint(_params(0) | {"extra": torch.zeros(3)}).values()))))
+
+
+def _upload_part(coord: Coordinator, site: str, params: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]], part: int, codec: str = "fp32") -> None:
+    """Part ``part`` of 2 of θ₀: rows [lo, hi) of each named tensor (dimension 0)."""
+    header = PushHeader(site_id=site, round=0, tokens=1, train_loss=math.nan, inner_steps=0, part=part, parts=2)
+    local = {n: params[n][lo:hi].contiguous() for n, (lo, hi) in rows.items()}
+    boxes = {n: (Box((lo, *(0 for _ in params[n].shape[1:])), (hi - lo, *params[n].shape[1:])), tuple(params[n].shape)) for n, (lo, hi) in rows.items()}
+    coord.upload_init(header, encode_chunks(local, codec=get_codec(codec), boxes=boxes))
+
+
+@pytest.mark.timeout(60)
+def test_a_multi_rank_source_sends_theta0_in_parts_all_or_nothing() -> None:
+    coord = _coordinator_awaiting_theta0()
+    good = _params(0)
+    specs = tuple(fingerprint(good).values())
+    half = {n: (0, t.shape[0] // 2) for n, t in good.items()}
+    rest = {n: (t.shape[0] // 2, t.shape[0]) for n, t in good.items()}
+    name = next(iter(good))
+    # a part overlapping the other's rows: the whole upload refused, θ₀ unset, the role freed
+    assert coord.join(JoinRequest("a", specs, can_upload=True)).upload_init
+    _upload_part(coord, "a", good, half, 0)
+    with pytest.raises(CoordinatorError, match=r"θ₀ from site 'a' \(part 1 of 2\) refused: .*overlaps"):
+        _upload_part(coord, "a", good, {**rest, name: (0, good[name].shape[0])}, 1)
+    assert not coord.ready
+    # parts that leave a gap: refused when the last arrives
+    assert coord.join(JoinRequest("b", specs, can_upload=True)).upload_init
+    _upload_part(coord, "b", good, half, 0)
+    with pytest.raises(CoordinatorError, match="gaps"):
+        _upload_part(coord, "b", good, {n: r for n, r in rest.items() if n != name}, 1)
+    assert not coord.ready
+    # a lossy part, then a part of a site that is not the source
+    assert coord.join(JoinRequest("c", specs, can_upload=True)).upload_init
+    with pytest.raises(CoordinatorError, match="lossless"):
+        _upload_part(coord, "c", good, half, 0, codec="int8")
+    assert coord.join(JoinRequest("c", specs, can_upload=True)).upload_init
+    with pytest.raises(CoordinatorError, match="not the source"):
+        _upload_part(coord, "d", good, half, 0)
+    # the two parts, in either order: θ₀ is the whole model
+    _upload_part(coord, "c", good, rest, 1)
+    assert not coord.ready  # waits for part 0
+    _upload_part(coord, "c", good, half, 0)
+    assert coord.ready and coord.global_sha256() == params_sha256(good) and coord.init_from == "site 'c'"
 
 
 @pytest.mark.timeout(60)

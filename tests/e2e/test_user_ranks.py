@@ -1,12 +1,13 @@
 """A user's own multi-rank trainer as a site: ``DiLoCo(...)`` on every rank of torchrun groups
 (gloo, CPU) that parallelise an MLP the project does not know in every way torch offers, in
-one run against a real ``diloco-coordinator`` (θ₀ from a file) over real gRPC.
+one run against a real ``diloco-coordinator`` over real gRPC, θ₀ sent by the FSDP2 site (init=site),
+each of its ranks sending its rows.
 
 One run, six sites (tests/user_ranks_site.py): one process; FSDP2 ``fully_shard`` on 2 ranks
 (rank 1 SIGKILLed in round 1's last step: torchrun restarts the group and the site rejoins);
 tensor parallel ``parallelize_module`` on 2 ranks; a 2-D mesh (dp_shard 2 x tp 2) on 4 ranks;
-two pipeline stages by hand; DDP on 2 ranks (the wrapper given to DiLoCo). Before any of them
-joins, the bad sites of tests/user_ranks_refusals.py are each refused, naming what is wrong.
+two pipeline stages by hand; DDP on 2 ranks (the wrapper given to DiLoCo). Once the FSDP2 site
+has sent θ₀, and before the others join, the bad sites of tests/user_ranks_refusals.py are each refused, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from user_ranks_site import build
 
 from diloco.outer import params_sha256
@@ -51,43 +51,48 @@ def _logs(d: Path) -> str:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("ranks")
-    theta0 = {n: p.detach() for n, p in build(0).named_parameters()}
-    torch.save(theta0, d / "theta0.pt")
     port_file = d / "port.json"
     bin_dir = Path(sys.executable).parent
-    coord_args = [f"init.path={d / 'theta0.pt'}", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}", "coordinator.port=0"]
-    procs = [
-        _popen(
-            [str(bin_dir / "diloco-coordinator"), "init=file", *coord_args, f"coordinator.port_file={port_file}", f"hydra.run.dir={d / 'coord'}"],
-            d / "coord.log",
-        )
-    ]
+    coord_args = ["init=site", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}", "coordinator.port=0"]
+    procs = [_popen([str(bin_dir / "diloco-coordinator"), *coord_args, f"coordinator.port_file={port_file}", f"hydra.run.dir={d / 'coord'}"], d / "coord.log")]
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists():
             assert procs[0].poll() is None and time.monotonic() < deadline, _logs(d)
             time.sleep(0.1)
         address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
-        refusals = _popen(_torchrun(2, "user_ranks_refusals.py", "--coordinator", address, "--out", str(d / "refusals.json")), d / "refusals.log")
-        procs.append(refusals)
-        assert refusals.wait(timeout=120) == 0, _logs(d)
-        sites = []
-        for seed, (site, (how, ranks)) in enumerate(SITES.items()):
+        sites: dict[str, subprocess.Popen] = {}
+
+        def start(site: str) -> None:
+            seed = list(SITES).index(site)
+            how, ranks = SITES[site]
             args = ["--parallel", how, "--coordinator", address, "--site-id", site, "--seed", str(seed), "--sync-every", str(H)]
             args += ["--batch", str(BATCH), "--out", str(d / f"{site}.json")]
             if site == "fsdp":
                 args += ["--kill-rank", "1", "--kill-round", "1"]
-            sites.append(_popen(_torchrun(ranks, "user_ranks_site.py", *args), d / f"{site}.log"))
-        procs += sites
-        for p in [*sites, procs[0]]:
+            sites[site] = _popen(_torchrun(ranks, "user_ranks_site.py", *args), d / f"{site}.log")
+
+        # The FSDP2 site joins first and sends θ₀ (init=site), slice by slice from its 2 ranks.
+        start("fsdp")
+        while "θ₀ received from site 'fsdp'" not in (d / "coord.log").read_text():
+            assert sites["fsdp"].poll() is None and time.monotonic() < deadline + 60, _logs(d)
+            time.sleep(0.1)
+        refusals = _popen(_torchrun(2, "user_ranks_refusals.py", "--coordinator", address, "--out", str(d / "refusals.json")), d / "refusals.log")
+        procs.append(refusals)
+        assert refusals.wait(timeout=120) == 0, _logs(d)
+        for site in SITES:
+            if site != "fsdp":
+                start(site)
+        procs += sites.values()
+        for p in [*sites.values(), procs[0]]:
             assert p.wait(timeout=180) == 0, _logs(d)
     finally:
-        for p in procs:
+        for p in [*procs, *sites.values()]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
     return {
-        "theta0_sha256": params_sha256(theta0),
+        "theta0_sha256": params_sha256(dict(build(list(SITES).index("fsdp")).named_parameters())),
         "refusals": json.loads((d / "refusals.json").read_text()),
         "final": json.loads((d / "coord" / "global.json").read_text()),
         "metrics": [json.loads(line) for line in (d / "coord" / "metrics.jsonl").read_text().splitlines()],
@@ -106,6 +111,7 @@ def test_every_site_holds_the_coordinators_theta_after_every_round(run: dict[str
         assert hashes["start"] == (run["theta0_sha256"] if first == 0 else by_round["0"]), site
         assert {r: h for r, h in hashes.items() if r != "start"} == {r: h for r, h in by_round.items() if int(r) >= first}, site
         assert result["global_sha256"] == final["global_sha256"], site
+    assert final["init_from"] == "site 'fsdp'"  # θ₀ from the 2-rank site, each rank its rows
     assert run["sites"]["fsdp"]["restarts"] == 1  # torchrun restarted the killed group once
     assert all(r["restarts"] == 0 for s, r in run["sites"].items() if s != "fsdp")
 
@@ -141,7 +147,7 @@ def test_bad_sites_are_refused_before_their_first_push_naming_what_is_wrong(run:
         "gap": "slices [0:32, 0:16] cover 512 of 1024 elements (a gap) ([0:32, 0:16] on rank 0)",
         "partial": "rank 1 of the site: parameter '0.weight' has a Partial placement",
         "fsdp1": "is a flat parameter of FullyShardedDataParallel (FSDP1)",
-        "held_by_no_rank": "does not match the coordinator's (θ₀ from init.path=",
+        "held_by_no_rank": "does not match the coordinator's (θ₀ from site 'fsdp')",
     }
     assert sorted(refused) == sorted(expected)
     for case, says in expected.items():
