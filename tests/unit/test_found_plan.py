@@ -34,8 +34,9 @@ def test_shards_are_their_own_ranks_and_stages_unite() -> None:
 
 
 def test_an_empty_box_of_a_small_tensor_is_no_gap() -> None:
-    p = plan([{"b": rows(0, 1, 1)}, {"b": _Piece((1,), "float32", Box((1,), (0,)))}])  # FSDP2 of one row on 2 ranks
-    assert p.owner == {("b", Box((0,), (1,))): 0}
+    # FSDP2 of a one-row tensor on 2 ranks: rank 1's box of it is empty
+    p = plan([{"b": rows(0, 1, 1), "w": rows(0, 2, 4)}, {"b": _Piece((1,), "float32", Box((1,), (0,))), "w": rows(2, 2, 4)}])
+    assert p.owner == {("b", Box((0,), (1,))): 0, ("w", Box((0,), (2,))): 0, ("w", Box((2,), (2,))): 1}
 
 
 @pytest.mark.parametrize(
@@ -51,6 +52,14 @@ def test_what_does_not_make_one_model_is_named(pieces: list, says: str) -> None:
     with pytest.raises(LayoutError) as e:
         plan(pieces)
     assert says in str(e.value)
+
+
+def test_every_rank_pushes_something_or_is_named() -> None:
+    every = {"a": whole(100), "b": whole(1), "c": whole(1)}
+    p = plan([every, every, every])  # largest first gives rank 0 "a", rank 1 "b" and "c": rank 2 takes one
+    assert sorted(p.owner.values()) == [0, 1, 2]
+    with pytest.raises(LayoutError, match="rank 2 of the site would push nothing: the site's 3 ranks hold 2 distinct slices"):
+        plan([{"a": whole(4), "b": whole(3)}] * 3)
 
 
 def test_ranks_given_other_arguments_are_named() -> None:

@@ -123,7 +123,25 @@ def plan(pieces: Sequence[Mapping[str, _Piece]]) -> Plan:
         r = min(holders[key], key=lambda i: (load[i], i))
         owner[key] = r
         load[r] += sizes[key]
+    _give_every_rank_a_box(owner, holders, len(pieces))
     return Plan(specs, holders, owner)
+
+
+def _give_every_rank_a_box(owner: dict[tuple[str, Box], int], holders: Mapping[tuple[str, Box], tuple[int, ...]], ranks: int) -> None:
+    """Every rank pushes something (a rank's push with no slice would pull the whole model):
+    a rank left with nothing takes the smallest box it holds from an owner that has others;
+    LayoutError naming the rank where none can be given (more replicas than tensors)."""
+    for r in range(ranks):
+        if r in owner.values():
+            continue
+        count = {o: list(owner.values()).count(o) for o in set(owner.values())}
+        movable = sorted((key for key, h in holders.items() if r in h and count[owner[key]] > 1), key=lambda k: (k[1].numel, k[0]))
+        if not movable:
+            raise LayoutError(
+                f"rank {r} of the site would push nothing: the site's {ranks} ranks hold {len(holders)} distinct slices in all "
+                "(more replicas than tensors); give DiLoCo a process group of fewer ranks"
+            )
+        owner[movable[0]] = r
 
 
 class FoundModel(DistributedModel):
