@@ -7,7 +7,8 @@ Run by the tests under torchrun (gloo, CPU), or alone for a one-process site::
 
 ``--parallel``: ``none`` (one process), ``ddp`` (DistributedDataParallel, the wrapper given to
 DiLoCo), ``fsdp`` (FSDP2 ``fully_shard``), ``tp`` (``parallelize_module``: layer 0 column-,
-layer 2 row-wise), ``tp_fsdp`` (a 2-D mesh, dp_shard 2 x tp 2, on 4 ranks) or ``pp`` (two
+layer 2 row-wise), ``tp_fsdp`` (a 2-D mesh, dp_shard 2 x tp 2, on 4 ranks), ``hsdp_tp`` (a 3-D
+mesh on 8 ranks: HSDP, dp_replicate 2 x dp_shard 2, over tp 2) or ``pp`` (two
 pipeline stages by hand: rank 0 holds layers 0-3, rank 1 layer 4, activations sent between).
 
 After every round each rank gathers the model's whole θ (``full_tensor()``, the stages'
@@ -71,6 +72,14 @@ def parallelise(model: nn.Sequential, how: str) -> tuple[nn.Module, int, int]:
             fully_shard(model[i], mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
+    if how == "hsdp_tp":  # a 3-D mesh on 8 ranks: HSDP (replicate 2 x shard 2) over tensor parallel 2
+        mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], plan)
+        dp = mesh["dp_replicate", "dp_shard"]
+        for i in (0, 2, 4):
+            fully_shard(model[i], mesh=dp)
+        fully_shard(model, mesh=dp)
+        return model, rank // 2, world // 2
     if how == "pp":
         for i in range(5):
             if (i < 4) != (rank == 0):
@@ -148,7 +157,7 @@ def main() -> None:
             y = x @ w
             loss = step(model, args.parallel, x, y)
             if loss is not None:
-                counts = args.parallel not in ("tp", "tp_fsdp") or rank % 2 == 0  # one rank per tensor-parallel group counts the samples
+                counts = args.parallel not in ("tp", "tp_fsdp", "hsdp_tp") or rank % 2 == 0  # one rank per tensor-parallel group counts the samples
                 dl.record_loss(loss, tokens=x.shape[0] if counts else 0)
                 losses.append(float(loss))
             if first_life and rank == args.kill_rank and dl.round == args.kill_round and dl._steps_in_round == dl.sync_every - 1:
