@@ -244,10 +244,6 @@ class RunConfig:
 
     def _check_dims(self, dims: ParallelDims) -> None:
         """What the model and the batch need of one site's degrees; ConfigError naming the keys."""
-        try:
-            dims.check_batch(self.data.batch_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         model = self.model
         if is_builtin(model):
             assert isinstance(model, ModelConfig)
@@ -256,7 +252,16 @@ class RunConfig:
                     raise ConfigError(f"{dims.key('tp')}: must divide model.{size}={getattr(model, size)} (each tensor-parallel rank computes a part of them)")
             if dims.pp > model.n_layers:
                 raise ConfigError(f"{dims.key('pp')}: more pipeline stages than model.n_layers={model.n_layers} (each stage runs one block or more)")
-            return
+        else:
+            self._check_user_model(dims)
+        try:
+            dims.check_batch(self.data.batch_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_user_model(self, dims: ParallelDims) -> None:
+        """model=custom and model=hf: no pipeline stages, tensor parallelism by model.parallelize."""
+        model = self.model
         if dims.pp > 1:
             raise ConfigError(f"{dims.key('pp')}: pipeline stages cut the built-in transformer's blocks; model={model.name} runs with pp=1")
         if dims.tp > 1 and getattr(model, "parallelize", None) is None:

@@ -141,3 +141,19 @@ def test_a_layout_needs_its_ranks(tmp_path: Path) -> None:
 def test_unknown_layouts_are_named() -> None:
     with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2, tp2, pp2, tp2_fsdp2"):
         LayoutConfig(name="tp9")
+
+
+@pytest.mark.timeout(200)
+def test_a_hugging_face_llama_with_tensor_parallelism(tmp_path: Path) -> None:
+    # model=hf with the ready Llama plan (diloco.site.layouts.hf_llama) over 2 tp ranks: q/k/v/o
+    # and gate/up/down split, the embedding and the norms whole on both; the site ends with θ
+    # bit-identical to the coordinator's
+    pytest.importorskip("transformers")
+    overrides = ["model=hf", "model.parallelize=diloco.site.layouts.hf_llama:parallelize", "parallel.tp=2"]
+    run = run_ok(tmp_path / "run", *BASE, *overrides, timeout=180)
+    assert run.summary["hashes_equal"] and run.summary["rounds_committed"] == 1
+    layers = 2  # conf/model/hf.yaml
+    site = run.metrics[0]["sliced"]["0"]
+    assert [p["sliced"] for p in site] == [7 * layers, 7 * layers], site  # every rank sends its part of the 7 matrices
+    assert sum(p["whole"] for p in site) == 1 + 2 * layers + 1, site  # the embedding and the norms, once
+    assert [w["layout"] for w in run.workers().values()] == ["tp2"]
