@@ -55,6 +55,7 @@ __all__ = [
     "is_builtin",
     "lm_loss",
     "load_factory",
+    "load_parallelize",
     "model_config",
     "model_logits",
 ]
@@ -286,11 +287,11 @@ def _import_module(module: str, where: str) -> Any:
         raise ValueError(f"{where}: cannot import module {module!r} ({type(e).__name__}: {e})") from e
 
 
-def load_factory(spec: str) -> Callable[..., Any]:
-    """The callable that ``model.factory`` names: ``"pkg.mod:fn"`` (an attribute path may
-    follow the colon) or ``"pkg.mod.fn"``. Imports from sys.path, then the working directory.
-    """
-    where = f"model.factory={spec!r}"
+def load_factory(spec: str, key: str = "model.factory") -> Callable[..., Any]:
+    """The callable that ``model.factory`` (or ``key``) names: ``"pkg.mod:fn"`` (an attribute
+    path may follow the colon) or ``"pkg.mod.fn"``. Imports from sys.path, then the working
+    directory."""
+    where = f"{key}={spec!r}"
     if ":" in spec:
         module, _, attrs = spec.partition(":")
         if not module or not attrs:
@@ -373,6 +374,12 @@ def _build_hf(cfg: HFModelConfig, seed: int) -> nn.Module:
     except Exception as e:
         raise ValueError(f"{where}: transformers cannot build a causal LM from model.config ({type(e).__name__}: {e})") from e
     return _check_built(model, f"model=hf ({type(model).__name__})")
+
+
+def load_parallelize(cfg: AnyModelConfig) -> Callable[[nn.Module, Any], Any] | None:
+    """The function that ``model.parallelize`` names (model=custom, model=hf), or None."""
+    spec = getattr(cfg, "parallelize", None)
+    return None if spec is None else load_factory(spec, "model.parallelize")
 
 
 def model_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

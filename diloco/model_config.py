@@ -133,6 +133,11 @@ def _check_name(value: object, expected: str) -> None:
         raise ValueError(f"model.name={value!r}: must be {expected!r} for model={expected}")
 
 
+def _check_spec(value: object, where: str) -> None:
+    if value is not None and (not isinstance(value, str) or not value or (":" not in value and "." not in value)):
+        raise ValueError(f"{where}={value!r}: must be a string 'package.module:function' (or null)")
+
+
 def _json_hash(obj: object) -> int:
     # The mapping fields are dicts (unhashable); their canonical JSON is not.
     return hash(json.dumps(obj, sort_keys=True))
@@ -160,6 +165,10 @@ class CustomModelConfig:
     )
     context: int = setting(128, doc="the sequence length the data pipeline cuts; the model must accept it")
     vocab_size: int = setting(256, doc="the model's output width: token ids are below it (256: one token per byte)")
+    parallelize: str | None = setting(
+        None,
+        doc='"package.module:function" called on every rank as function(model, device_mesh) to apply tensor parallelism (parallel.tp > 1) over the mesh\'s "tp" dimension; null: tp=1 only',
+    )
 
     def __post_init__(self) -> None:
         _check_name(self.name, "custom")
@@ -173,9 +182,10 @@ class CustomModelConfig:
         object.__setattr__(self, "kwargs", _check_mapping(kwargs, "model.kwargs"))
         _check_count(self.context, "model.context")
         _check_count(self.vocab_size, "model.vocab_size")
+        _check_spec(self.parallelize, "model.parallelize")
 
     def __hash__(self) -> int:
-        return _json_hash([self.name, self.factory, self.kwargs, self.context, self.vocab_size])
+        return _json_hash([self.name, self.factory, self.kwargs, self.context, self.vocab_size, self.parallelize])
 
 
 # Where Hugging Face configs keep the longest sequence a model accepts.
@@ -193,6 +203,10 @@ class HFModelConfig:
         factory=dict,
     )
     context: int = setting(128, doc="the sequence length the data pipeline cuts")
+    parallelize: str | None = setting(
+        None,
+        doc='"package.module:function" called on every rank as function(model, device_mesh) to apply tensor parallelism (parallel.tp > 1) over the mesh\'s "tp" dimension; Llama-style models: diloco.site.layouts.hf_llama:parallelize; null: tp=1 only',
+    )
 
     def __post_init__(self) -> None:
         _check_name(self.name, "hf")
@@ -211,6 +225,7 @@ class HFModelConfig:
             if key in config:
                 _check_count(config[key], f"model.config.{key}")
                 check_context(config[key], self.context, f"model.config.{key}")
+        _check_spec(self.parallelize, "model.parallelize")
 
     @property
     def vocab_size(self) -> int:
@@ -218,7 +233,7 @@ class HFModelConfig:
         return int(self.config["vocab_size"])
 
     def __hash__(self) -> int:
-        return _json_hash([self.name, self.config, self.context])
+        return _json_hash([self.name, self.config, self.context, self.parallelize])
 
 
 def check_context(positions: int, context: int, where: str) -> None:

@@ -216,10 +216,13 @@ def main() -> None:
             r = measure(ranks, mode, args, args.work)
             results.append(r)
             up = ", ".join(f"{b / 1e6:.2f}" for b in r["bytes_up_per_round"])
-            print(f"{mode:>9} x{ranks}: sync {r['sync_s_rank0']:.3f} s on rank 0; MB up per round per rank [{up}] = {r['site_bytes_up_per_round'] / 1e6:.2f}", flush=True)
+            print(
+                f"{mode:>9} x{ranks}: sync {r['sync_s_rank0']:.3f} s on rank 0; MB up per round per rank [{up}] = {r['site_bytes_up_per_round'] / 1e6:.2f}",
+                flush=True,
+            )
             for i, parts in enumerate(r["parts_s"]):
                 if parts:
-                    print("             rank %d: " % i + "  ".join(f"{k[:-2]} {v:.3f}" for k, v in parts.items()), flush=True)
+                    print(f"             rank {i}: " + "  ".join(f"{k[:-2]} {v:.3f}" for k, v in parts.items()), flush=True)
     doc = {"command": " ".join(sys.argv), "machine": "2 cores, CPU, gloo", "width": args.width, "layers": args.layers, "H": args.H, "results": results}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

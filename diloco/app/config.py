@@ -14,14 +14,14 @@ from diloco.coordinator.guard import GuardConfig
 from diloco.coordinator.round_policy import QuorumConfig
 from diloco.data import DataConfig
 from diloco.fields import setting
-from diloco.model import AnyModelConfig, ModelConfig, is_builtin, model_config
+from diloco.model import AnyModelConfig, HFModelConfig, ModelConfig, is_builtin, model_config
 from diloco.observe.config import TensorBoardConfig
 from diloco.observe.logs import LoggingConfig
 from diloco.outer import OuterConfig, RobustConfig, check_aggregate
 from diloco.outer.defaults import STEP_KEYS, OuterSection, outer_config, resolve_outer
 from diloco.security.config import SecurityConfig
 from diloco.site.inner import InnerConfig
-from diloco.site.layouts.config import LayoutConfig, layout_config
+from diloco.site.layouts.config import LayoutConfig, ParallelConfig, ParallelDims, layout_config, parallel_config
 from diloco.sync import RunSettings, SyncConfig, SyncSchedule
 from diloco.wire.chunks import MAX_CHUNK_BYTES
 
@@ -29,8 +29,7 @@ MODES = ("diloco", "ddp", "single")
 INIT_SOURCES = ("model", "site", "file")
 EVAL_BY = ("auto", "coordinator", "sites")
 DEVICES = ("auto", "cpu", "cuda")
-# Layouts that cut the built-in transformer's own modules (heads, MLP halves, pipeline stages).
-BUILTIN_ONLY_LAYOUTS = ("tp2", "tp2_fsdp2", "pp2")
+HF_LLAMA = "diloco.site.layouts.hf_llama:parallelize"  # model=hf's ready tensor parallelism for Llama-style models
 LOW_BIT_CODECS = ("int4", "e3m0", "topk2bit")  # their downlink defaults to int8
 
 
@@ -72,6 +71,7 @@ RENAMED = {
     "streams": "sync.streams",
     "robust.aggregate": "aggregate (mean | nonzero | trimmed_mean | median)",
     "outer.auto": "outer.rule (measured | diloco); each outer field now overrides alone",
+    "layout.microbatches": "parallel.pp_microbatches",
 }
 
 
@@ -123,7 +123,12 @@ class RunConfig:
     layout: LayoutConfig = setting(
         doc="how each site spreads its model over its ranks (config group layout: single ddp2 fsdp2 tp2 pp2 tp2_fsdp2)", factory=LayoutConfig
     )
-    site_layouts: tuple[str, ...] | None = setting(None, doc="one layout name per site, overriding layout (e.g. [fsdp2, ddp2, single])")
+    parallel: ParallelConfig = setting(
+        doc="the degrees of parallelism inside each site: dp_replicate × dp_shard × tp × pp = its ranks; null: the layout name's", factory=ParallelConfig
+    )
+    site_layouts: tuple[str, ...] | None = setting(
+        None, doc="one layout name per site, overriding layout.name (e.g. [fsdp2, ddp2, single]); the parallel.* degrees set apply to every site"
+    )
     init: InitConfig = setting(doc="where θ₀ comes from (config group init: model site file)", factory=InitConfig)
     eval_by: str = setting("auto", doc="who evaluates θ: auto (the coordinator if it can build the model, else the sites) | coordinator | sites")
     device: str = setting("auto", doc="where sites train: auto (cuda when available) | cpu | cuda (rank r on cuda:LOCAL_RANK)")
@@ -217,9 +222,11 @@ class RunConfig:
             )
 
     def _resolve_layouts(self) -> None:
-        """layout (and site_layouts) as LayoutConfigs, and what the model and θ₀ need of them."""
+        """layout, parallel and site_layouts typed, and every site's degrees checked against the
+        model, the batch and θ₀."""
         try:
             object.__setattr__(self, "layout", layout_config(self.layout))
+            object.__setattr__(self, "parallel", parallel_config(self.parallel))
             if self.site_layouts is not None:
                 names = tuple(str(n) for n in self.site_layouts)
                 if len(names) != self.sites:
@@ -229,13 +236,47 @@ class RunConfig:
                 object.__setattr__(self, "site_layouts", names)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.init.source == "site" and self.mode == "diloco" and all(self.layout_of(s).ranks > 1 for s in range(self.sites)):
+        every = {self.layout_of(s) for s in range(self.sites)}
+        if self.init.source == "site" and self.mode == "diloco" and all(d.ranks != 1 for d in every):
             raise ConfigError("init=site: θ₀ is sent whole by a one-rank site, and every site here is a torchrun group; use init=model or init=file")
-        if not is_builtin(self.model):
-            for n in {self.layout_of(s).name for s in range(self.sites)} & set(BUILTIN_ONLY_LAYOUTS):
-                raise ConfigError(f"layout={n}: cuts the built-in transformer's modules; model={self.model.name} runs with single, ddp2 or fsdp2")
-            if self.layout.activation_checkpointing:
-                raise ConfigError(f"layout.activation_checkpointing=true: wraps the built-in transformer's blocks; not available for model={self.model.name}")
+        for dims in sorted(every, key=lambda d: d.name):
+            self._check_dims(dims)
+
+    def _check_dims(self, dims: ParallelDims) -> None:
+        """What the model and the batch need of one site's degrees; ConfigError naming the keys."""
+        model = self.model
+        if is_builtin(model):
+            assert isinstance(model, ModelConfig)
+            for size in ("n_heads", "mlp_hidden"):
+                if getattr(model, size) % dims.tp:
+                    raise ConfigError(f"{dims.key('tp')}: must divide model.{size}={getattr(model, size)} (each tensor-parallel rank computes a part of them)")
+            if dims.pp > model.n_layers:
+                raise ConfigError(f"{dims.key('pp')}: more pipeline stages than model.n_layers={model.n_layers} (each stage runs one block or more)")
+        else:
+            self._check_user_model(dims)
+        try:
+            dims.check_batch(self.data.batch_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_user_model(self, dims: ParallelDims) -> None:
+        """model=custom and model=hf: no pipeline stages, tensor parallelism by model.parallelize."""
+        model = self.model
+        if dims.pp > 1:
+            raise ConfigError(f"{dims.key('pp')}: pipeline stages cut the built-in transformer's blocks; model={model.name} runs with pp=1")
+        if dims.tp > 1 and getattr(model, "parallelize", None) is None:
+            raise ConfigError(
+                f"{dims.key('tp')}: model={model.name} needs model.parallelize=package.module:function, which applies tensor parallelism "
+                "to the model over a device mesh (model=hf, Llama-style: model.parallelize=diloco.site.layouts.hf_llama:parallelize)"
+            )
+        if dims.activation_checkpointing:
+            raise ConfigError(f"layout.activation_checkpointing=true: wraps the built-in transformer's blocks; not available for model={model.name}")
+        if dims.tp > 1 and isinstance(model, HFModelConfig) and model.parallelize == HF_LLAMA:
+            from diloco.site.layouts.hf_llama import tp_problem
+
+            why = tp_problem(model.config, dims.tp)
+            if why is not None:
+                raise ConfigError(f"{dims.key('tp')}: {why}")
 
     @property
     def outer_step(self) -> OuterConfig:
@@ -264,9 +305,11 @@ class RunConfig:
             error_feedback_decay=float(self.error_feedback_decay), outer=self.outer,
         )  # fmt: skip
 
-    def layout_of(self, site: int) -> LayoutConfig:
-        """The layout of site number ``site`` (0 .. sites-1)."""
-        return self.layout.named(self.site_layouts[site]) if self.site_layouts is not None else self.layout
+    def layout_of(self, site: int) -> ParallelDims:
+        """The degrees of site number ``site`` (0 .. sites-1): its layout name's, with the
+        ``parallel`` section's on top."""
+        layout = self.layout.named(self.site_layouts[site]) if self.site_layouts is not None else self.layout
+        return ParallelDims.of(layout, self.parallel)
 
     @property
     def workers(self) -> int:
@@ -358,7 +401,7 @@ def _build(cls: type, values: Mapping[str, Any] | None, prefix: str) -> Any:
 # The run's sections typed by their own dataclass (model is built by its name: model_config).
 SECTIONS: dict[str, type] = {
     "sync": SyncConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterSection, "quorum": QuorumConfig, "guard": GuardConfig, "robust": RobustConfig,
-    "security": SecurityConfig, "init": InitConfig, "logging": LoggingConfig, "tensorboard": TensorBoardConfig,
+    "security": SecurityConfig, "init": InitConfig, "logging": LoggingConfig, "tensorboard": TensorBoardConfig, "parallel": ParallelConfig,
 }  # fmt: skip
 
 

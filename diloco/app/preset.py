@@ -149,7 +149,7 @@ def apply_preset(
     if step_s is None and not measure:
         raise ValueError("sync.preset=hide_link needs sync.step_s here (seconds of one inner step at a site): this host does not train")
     if step_s is None:
-        ranks = sum(cfg.layout_of(s).ranks for s in range(cfg.sites))
+        ranks = sum(cfg.layout_of(s).ranks or 1 for s in range(cfg.sites))
         step_s = measure_step_s(cfg) * (max(1.0, ranks * cfg.threads / (os.cpu_count() or 1)) if shared_cores else 1.0)
     model = build_model(cfg.model, cfg.seed)
     names = [n for n, _ in model.named_parameters()]

@@ -145,7 +145,7 @@ class WorkerRecord:
     global_sha256: str = _f("sha256 of its final θ (equal to global.json's in a healthy run)")
     wall_s: float = _f("seconds the process ran")
     peak_rss_mb: float = _f("peak resident memory of the process (leader rank), MiB")
-    layout: str | None = _f("its layout (single, ddp2, fsdp2, tp2, pp2, tp2_fsdp2)", optional=True)
+    layout: str | None = _f("its layout: a name (single, ddp2, fsdp2, tp2, pp2, tp2_fsdp2), or its degrees above 1 (pp2_dp_shard2_tp2)", optional=True)
     device: str | None = _f("where it trained (cpu, cuda:0, …)", optional=True)
     ranks: int | None = _f("processes of the site", optional=True)
     bytes_up_per_rank: list[int] | None = _f("bytes_up per rank", optional=True)

@@ -21,7 +21,7 @@ from diloco.app.records import ProgressRecord, WorkerRecord
 from diloco.data import ShardSampler, eval_batches, load_corpus
 from diloco.fields import setting
 from diloco.io import peak_rss_mb, write_json_atomic
-from diloco.model import build_model
+from diloco.model import build_model, load_parallelize
 from diloco.observe.config import MetricsConfig
 from diloco.observe.progress import OFF, LiveProgress, ProgressConfig, ProgressTracker, SiteStep
 from diloco.observe.site_observer import SiteObserver
@@ -167,16 +167,15 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
     ``hooks``: the simulation's fault injection (None in a real run)."""
     torch.set_num_threads(cfg.threads)
     shard = opts.data_shard(cfg.sites)
-    layout_cfg = cfg.layout_of(shard)
     # A rank trains on cuda:LOCAL_RANK; a simulated one-rank site on the GPU the simulator gave it.
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", opts.gpu or 0)))
     configure_cuda(device, cfg.tf32)
-    init_site_group(layout_cfg, device)  # under torchrun: one process per rank of this site
+    dims = init_site_group(cfg.layout_of(shard), device)  # under torchrun: one process per rank of this site
     corpus = load_corpus(cfg.data, cfg.model.context, num_shards=cfg.sites)
     # Every rank draws the site's whole batch (the same sampler) and trains on its share of it.
     sampler = ShardSampler(corpus.train, shard=shard, num_shards=cfg.sites, batch_size=cfg.data.batch_size, context=cfg.model.context, seed=cfg.seed)
     # Built on the CPU from the seed (the same weights on every device), then moved.
-    layout = build_layout(layout_cfg, build_model(cfg.model, cfg.seed).to(device))
+    layout = build_layout(dims, build_model(cfg.model, cfg.seed).to(device), parallelize=load_parallelize(cfg.model))
     if not layout.leader:
         log = _silent  # the site's leader rank speaks for it
     if cfg.compile and layout.forward_backward is None:
@@ -214,7 +213,7 @@ def run_site(cfg: RunConfig, opts: SiteOptions, run_dir: Path, log: Callable[[st
         shard=shard,
         tokens=site.tokens,
         inner_steps=site.trainer.steps_done,
-        layout=layout_cfg.name,
+        layout=dims.name,
         device=str(device),
         **_traffic(per_rank, layout.world),
         inner_step_s_median=round(statistics.median(site.loop.stats.step_s), 5) if site.loop and site.loop.stats.step_s else None,

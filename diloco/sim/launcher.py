@@ -105,6 +105,11 @@ def run_simulation(
     """
     say = progress or (lambda _msg: None)
     run_dir = run_dir.resolve()
+    for s in range(cfg.sites if cfg.mode == "diloco" else 0):
+        if cfg.layout_of(s).ranks is None:
+            raise ConfigError(
+                "parallel.dp_shard=-1 takes the ranks torchrun starts a site with, and diloco-sim starts each site itself: give parallel.dp_shard a number"
+            )
     # Its imports (seconds of CPU) run while this process checks the data and the config.
     zygote = Zygote(run_dir, child_env()) if fork and _on_cpu(cfg) else None
     try:

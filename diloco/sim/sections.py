@@ -12,7 +12,7 @@ from typing import Any
 from diloco.app.config import ConfigError, RunConfig
 from diloco.coordinator.init_file import load_init_file
 from diloco.fields import setting
-from diloco.model import build_model, is_builtin
+from diloco.model import build_model, is_builtin, load_parallelize
 from diloco.observe.config import check_port
 from diloco.observe.prom import check_port_free
 from diloco.outer.fragments import split_fragments
@@ -123,10 +123,12 @@ def sim_status(d: Mapping[str, Any] | None, cfg: RunConfig) -> int | None:
 
 def check_before_start(cfg: RunConfig) -> None:
     """What would make a process fail at start, found before any starts (ConfigError naming
-    the field or the file): no GPU for device=cuda, a model factory that does not build, an
-    init file that does not load or does not fit the model the sites build."""
+    the field or the file): no GPU for device=cuda, a model factory that does not build, a
+    model.parallelize that does not import, an init file that does not load or does not fit
+    the model the sites build."""
     try:
         resolve_device(cfg.device)
+        load_parallelize(cfg.model)
         if cfg.init.source == "file" or not is_builtin(cfg.model) or cfg.sync.fragments > 1:
             model = build_model(cfg.model, cfg.seed)
             if cfg.sync.fragments > 1:

@@ -309,8 +309,11 @@ def test_bad_models_and_devices_fail_before_any_process_starts() -> None:
         check_before_start(RunConfig(model=model_config("custom", factory="tests.user_models:not_a_module")))
     with pytest.raises(ConfigError, match="init=site: θ₀ is sent whole by a one-rank site, and every site here is a torchrun group"):
         RunConfig(sites=2, layout="fsdp2", init=InitConfig(source="site"))
-    with pytest.raises(ConfigError, match="layout=tp2: cuts the built-in transformer's modules"):
+    with pytest.raises(ConfigError, match=r"tp=2 \(layout=tp2\): model=custom needs model.parallelize=package.module:function"):
         RunConfig(model=model_config("custom", factory="tests.user_models:mlp_lm"), layout="tp2")
+    with pytest.raises(ConfigError, match=r"model.parallelize='tests.user_models:no_such_fn': module 'tests.user_models' has no attribute 'no_such_fn'"):
+        custom = model_config("custom", factory="tests.user_models:mlp_lm", parallelize="tests.user_models:no_such_fn")
+        check_before_start(RunConfig(model=custom, layout="tp2"))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="device=cuda: this machine has no usable CUDA GPU"):
             check_before_start(RunConfig(device="cuda"))

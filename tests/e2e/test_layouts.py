@@ -1,11 +1,13 @@
 """Inner layouts through the real simulation: every site a torchrun group (gloo on CPU), each
 rank pushing and pulling its own slices over real gRPC.
 
-* Per layout (ddp2 with activation checkpointing, fsdp2, tp2, pp2, tp2_fsdp2), one round of
-  a site gives the same θ as the single layout on the same data (to 1e-5 of the update's
-  norm: only the order of float reductions differs).
+* Per layout (ddp2 with activation checkpointing, fsdp2, tp2, pp2, tp2_fsdp2) and per set of
+  degrees the names do not cover (pipeline stages sharded by FSDP2, HSDP), one round of a site
+  gives the same θ as the single layout on the same data (to 1e-5 of the update's norm: only
+  the order of float reductions differs).
 * The coordinator's record of what each part of a sharded push held: FSDP2 ranks send only
-  slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors.
+  slices (never a whole tensor of a sharded parameter), DDP ranks split the tensors, and every
+  element is sent once, by one of the ranks holding it (FoundModel shares the replicas' work).
 * Sites with different layouts in one run end bit-identical to the coordinator, also when
   one of them (a torchrun group) is killed mid push and started again.
 """
@@ -23,7 +25,7 @@ from helpers import Run, processes_of, run_ok
 from diloco import checkpoint as ck
 from diloco.model import build_model, count_params, model_config
 from diloco.site.layouts.build import init_site_group
-from diloco.site.layouts.config import LayoutConfig
+from diloco.site.layouts.config import LayoutConfig, ParallelDims
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,11 +46,23 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_ok(tmp_path_factory.mktemp("single") / "run", *BASE, "layout=single")
 
 
-@pytest.mark.parametrize("layout", ["ddp2+ac", "fsdp2", "tp2", "pp2", "tp2_fsdp2"])
+# id -> (overrides, the name the site's record gives, its ranks)
+LAYOUTS = {
+    "ddp2+ac": (["layout=ddp2", "layout.activation_checkpointing=true"], "ddp2", 2),  # recompute in backward
+    "fsdp2": (["layout=fsdp2"], "fsdp2", 2),
+    "tp2": (["layout=tp2"], "tp2", 2),
+    "pp2": (["layout=pp2"], "pp2", 2),
+    "tp2_fsdp2": (["layout=tp2_fsdp2"], "tp2_fsdp2", 4),
+    # degrees beyond the names: two pipeline stages, each sharded over 2 ranks; HSDP
+    "pp2+dp_shard2": (["layout=pp2", "parallel.dp_shard=2"], "pp2_dp_shard2", 4),
+    "hsdp": (["parallel.dp_replicate=2", "parallel.dp_shard=2"], "dp_replicate2_dp_shard2", 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path: Path) -> None:
-    extra = ["layout.activation_checkpointing=true"] if layout.endswith("+ac") else []  # recompute in backward
-    layout = layout.removesuffix("+ac")
-    run = run_ok(tmp_path / "run", *BASE, f"layout={layout}", *extra, timeout=240)
+    overrides, name, ranks = LAYOUTS[layout]
+    run = run_ok(tmp_path / "run", *BASE, *overrides, timeout=240)
     assert run.summary["hashes_equal"]
     assert not processes_of(run.run_dir), "a rank outlived the run"
     a, b = _final_theta(single), _final_theta(run)
@@ -56,30 +70,32 @@ def test_one_round_matches_the_single_layout(single: Run, layout: str, tmp_path:
     diff = sum(float(((a[n] - b[n]) ** 2).sum()) for n in a) ** 0.5
     update = sum(float(((a[n] - start[n]) ** 2).sum()) for n in a) ** 0.5
     assert diff <= 1e-5 * update, (diff, update)
-    parts = [run.metrics[0]["sliced"]["0"]]
-    ranks = 4 if layout == "tp2_fsdp2" else 2
-    for site in parts:
-        assert [p["part"] for p in site] == list(range(ranks))
-        assert sum(p["numel"] for p in site) == PARAMS  # every element sent once
+    site = run.metrics[0]["sliced"]["0"]
+    assert [p["part"] for p in site] == list(range(ranks))
+    assert sum(p["numel"] for p in site) == PARAMS  # every element sent once
+    split = 7 * model_config("tiny").n_layers  # the matrices of the blocks that tensor parallelism splits
+    if layout in ("fsdp2", "hsdp", "pp2+dp_shard2"):
+        # every parameter is sharded on its rows: no rank sends a whole tensor
+        assert all(p["whole"] == 0 for p in site), site
+        if layout == "pp2+dp_shard2":  # the two ranks of a stage send halves of it (the stages differ in size)
+            assert site[0]["numel"] == site[1]["numel"] and site[2]["numel"] == site[3]["numel"], site
+        else:  # the ranks share the work
+            assert all(abs(p["numel"] - PARAMS / ranks) < 0.1 * PARAMS / ranks for p in site), site
         if layout == "fsdp2":
-            # every parameter is sharded on its rows: no rank sends a whole tensor
-            assert all(p["whole"] == 0 and p["sliced"] == TENSORS for p in site), site
-            assert all(abs(p["numel"] - PARAMS / 2) < 0.05 * PARAMS for p in site), site
-        elif layout == "tp2_fsdp2":
-            # every tensor is split (FSDP over the pairs); what both ranks of a pair hold alike
-            # (norms, embedding: split only by FSDP) is sent by the pair's tp rank 0
-            split = 7 * model_config("tiny").n_layers
-            assert [p["whole"] for p in site] == [0, 0, 0, 0], site
-            assert [p["sliced"] for p in site] == [TENSORS, split, TENSORS, split], site
-        elif layout == "tp2":
-            # 7 matrices per block are split (rows or columns); the embedding and the 7 norms
-            # are whole on both ranks and sent once, by rank 0
-            split = 7 * model_config("tiny").n_layers
-            assert [(p["whole"], p["sliced"]) for p in site] == [(TENSORS - split, split), (0, split)], site
-        else:  # ddp2 splits the tensors between its replicas, pp2 by stage (the tied embedding: stage 0)
-            assert all(p["sliced"] == 0 and p["whole"] > 0 for p in site) and sum(p["whole"] for p in site) == TENSORS, site
+            assert all(p["sliced"] == TENSORS for p in site), site
+    elif layout == "tp2_fsdp2":
+        # every tensor is split (FSDP over the pairs); what both ranks of a pair hold alike
+        # (norms, embedding: split only by FSDP) one of them sends
+        assert [p["whole"] for p in site] == [0, 0, 0, 0], site
+        assert all(p["sliced"] >= split for p in site) and sum(p["sliced"] for p in site) == 2 * TENSORS + 2 * split, site
+    elif layout == "tp2":
+        # 7 matrices per block are split (rows or columns), each rank sends its part; the
+        # embedding and the 7 norms are whole on both ranks and sent once, by one of them
+        assert [p["sliced"] for p in site] == [split, split] and sum(p["whole"] for p in site) == TENSORS - split, site
+    else:  # ddp2 splits the tensors between its replicas, pp2 by stage (the tied embedding: one of its two stages)
+        assert all(p["sliced"] == 0 and p["whole"] > 0 for p in site) and sum(p["whole"] for p in site) == TENSORS, site
     workers = run.workers()
-    assert all(w["layout"] == layout and w["ranks"] == ranks and len(w["bytes_up_per_rank"]) == ranks for w in workers.values())
+    assert all(w["layout"] == name and w["ranks"] == ranks and len(w["bytes_up_per_rank"]) == ranks for w in workers.values())
 
 
 def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
@@ -114,7 +130,7 @@ def test_sites_with_different_layouts_train_one_model(tmp_path: Path) -> None:
 
 def test_a_layout_needs_its_ranks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"layout fsdp2 needs 2 rank\(s\); this site was launched with 1 \(start it with torchrun --nproc-per-node=2\)"):
-        init_site_group(LayoutConfig(name="fsdp2"))
+        init_site_group(ParallelDims.named("fsdp2"))
     # the console script, started without torchrun, says so before it connects anywhere
     site = Path(sys.executable).parent / "diloco-site"
     args = [str(site), "layout=tp2_fsdp2", "site.id=0", "site.coordinator=127.0.0.1:1", f"hydra.run.dir={tmp_path}"]
@@ -125,3 +141,19 @@ def test_a_layout_needs_its_ranks(tmp_path: Path) -> None:
 def test_unknown_layouts_are_named() -> None:
     with pytest.raises(ValueError, match="layout='tp9': unknown; known layouts: single, ddp2, fsdp2, tp2, pp2, tp2_fsdp2"):
         LayoutConfig(name="tp9")
+
+
+@pytest.mark.timeout(200)
+def test_a_hugging_face_llama_with_tensor_parallelism(tmp_path: Path) -> None:
+    # model=hf with the ready Llama plan (diloco.site.layouts.hf_llama) over 2 tp ranks: q/k/v/o
+    # and gate/up/down split, the embedding and the norms whole on both; the site ends with θ
+    # bit-identical to the coordinator's
+    pytest.importorskip("transformers")
+    overrides = ["model=hf", "model.parallelize=diloco.site.layouts.hf_llama:parallelize", "parallel.tp=2"]
+    run = run_ok(tmp_path / "run", *BASE, *overrides, timeout=180)
+    assert run.summary["hashes_equal"] and run.summary["rounds_committed"] == 1
+    layers = 2  # conf/model/hf.yaml
+    site = run.metrics[0]["sliced"]["0"]
+    assert [p["sliced"] for p in site] == [7 * layers, 7 * layers], site  # every rank sends its part of the 7 matrices
+    assert sum(p["whole"] for p in site) == 1 + 2 * layers + 1, site  # the embedding and the norms, once
+    assert [w["layout"] for w in run.workers().values()] == ["tp2"]

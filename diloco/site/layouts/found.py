@@ -187,6 +187,10 @@ class FoundModel(DistributedModel):
         p = self._params[name]
         return dtensor_box(p) if isinstance(p, DTensor) else Box.whole(p.shape)
 
+    def param(self, name: str) -> torch.Tensor:
+        """The parameter ``name`` as this rank holds it (a DTensor, or a plain tensor)."""
+        return self._params[name]
+
     def held(self) -> dict[str, Held]:
         out = {}
         for n, p in self._params.items():

@@ -1,19 +1,17 @@
-"""Sharded data parallel (FSDP2 ``fully_shard``): every parameter is a DTensor sharded on
-dimension 0; each rank pushes and pulls the rows it holds."""
+"""Sharded data parallel (FSDP2 ``fully_shard``) on the ``dp_shard`` dimension of a site's
+mesh, HSDP (replicas of shards) with ``dp_replicate`` too: every block is its own FSDP unit,
+the root holds the rest. And the box of a DTensor's local part, which is what a rank syncs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from diloco.boxes import Box
-from diloco.site.layouts.base import DistributedModel, Held
 
 
 def dtensor_box(p: DTensor) -> Box:
@@ -22,36 +20,13 @@ def dtensor_box(p: DTensor) -> Box:
     return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
 
 
-def dtensor_held(module: nn.Module, pusher: Callable[[str, torch.Tensor], bool] | None = None) -> dict[str, Held]:
-    """Every non-empty local part of the module's DTensor parameters (plain tensors: whole);
-    ``pusher(name, param)`` says whether this rank pushes it (default: every rank)."""
-    out = {}
-    for n, p in module.named_parameters():
-        if isinstance(p, DTensor):
-            box, local = dtensor_box(p), p.to_local()
-        else:
-            box, local = Box.whole(p.shape), p.data
-        if box.numel == 0:
-            continue
-        out[n] = Held(local.detach(), box, True if pusher is None else pusher(n, p))
-    return out
-
-
-class FSDPModel(DistributedModel):
-    name = "fsdp"
-
-    def __init__(self, model: nn.Module, activation_checkpointing: bool = False) -> None:
-        super().__init__(model)
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        for block in getattr(model, "blocks", []):
+def shard(root: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> None:
+    """fully_shard each of ``blocks`` (those with parameters), then ``root`` over ``mesh``
+    (1-D: FSDP; 2-D (replicate, shard): HSDP)."""
+    for block in blocks:
+        if any(True for _ in block.parameters()):
             fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-
-    def held(self) -> dict[str, Held]:
-        return dtensor_held(self.module)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        return full_dtensor_state(self.module)
+    fully_shard(root, mesh=mesh)
 
 
 def full_dtensor_state(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,11 +1,10 @@
-"""Pipeline parallelism (torch.distributed.pipelining) over the ranks of a site: rank i runs
-stage i of the blocks, microbatches flow through a 1F1B schedule. The first stage holds the
-embedding and the first blocks, the last stage the other blocks, the final norm and the
-head; with tied embeddings both hold the embedding matrix, and its gradient is summed over
-the two stages after each step (so the copies stay equal).
-
-Each rank pushes and pulls only the parameters of its stage (the tied embedding: pushed by
-stage 0, pulled by both)."""
+"""Pipeline parallelism (torch.distributed.pipelining) on the ``pp`` dimension of a site's mesh:
+the rank at pp coordinate i runs stage i of the built-in transformer's blocks, microbatches flow
+through a 1F1B schedule. The first stage holds the embedding and the first blocks, the last
+stage the other blocks, the final norm and the head; with tied embeddings both hold the
+embedding matrix, and its gradient is summed over the two stages after each step (so the copies
+stay equal). What each rank syncs is found from what its stage holds (layouts/found.py): the
+stages' names are disjoint but for the tied embedding, which one of its holders pushes."""
 
 from __future__ import annotations
 
@@ -17,12 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from diloco.boxes import Box
 from diloco.model import lm_loss
-from diloco.site.layouts.base import DistributedModel, Held
 
 
-class _Stage(nn.Module):
+class Stage(nn.Module):
     """Runs blocks [lo, hi) of ``model``; the first stage starts from token ids, the last ends
     with the norm and the head."""
 
@@ -56,74 +53,53 @@ def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class PipelineModel(DistributedModel):
-    name = "pp"
+def cut_stage(model: nn.Module, stage: int, stages: int) -> Stage:
+    """Drops from ``model`` what the other stages run (its parameters become this stage's
+    only) and returns the module that runs this stage."""
+    n_layers = len(model.blocks)
+    if n_layers < stages:
+        raise ValueError(f"pipeline parallelism over {stages} stages needs at least {stages} blocks; the model has {n_layers}")
+    lo, hi = stage_bounds(n_layers, stages)[stage]
+    first, last = stage == 0, stage == stages - 1
+    for i in range(n_layers):
+        if not lo <= i < hi:
+            model.blocks[i] = nn.Identity()
+    tied = model.head is None
+    if not last:
+        model.norm = nn.Identity()
+        model.head = None
+    if not first and not (tied and last):
+        model.tok_emb = nn.Identity()
+    return Stage(model, lo, hi, first, last)
 
-    def __init__(self, model: nn.Module, microbatches: int = 2) -> None:
-        super().__init__(model)
-        n_layers = len(model.blocks)
-        if n_layers < self.world:
-            raise ValueError(f"pipeline parallelism over {self.world} stages needs at least {self.world} blocks; the model has {n_layers}")
-        lo, hi = stage_bounds(n_layers, self.world)[self.rank]
-        first, last = self.rank == 0, self.rank == self.world - 1
-        # Drop what other stages run: this rank's parameters are those of its stage only.
-        for i in range(n_layers):
-            if not lo <= i < hi:
-                model.blocks[i] = nn.Identity()
-        if not last:
-            model.norm = nn.Identity()
-            model.head = None
-        self.tied = model.head is None and (first or last)  # the embedding matrix is also the head
-        if not first and not self.tied:
-            model.tok_emb = nn.Identity()
-        self.microbatches = microbatches
-        # The group that sums the tied embedding's gradient: the first and the last stage
-        # (created by every rank, as torch.distributed requires).
-        self._tied_group = dist.new_group([0, self.world - 1]) if self.world > 2 else None
-        stage = PipelineStage(_Stage(model, lo, hi, first, last), self.rank, self.world, self.device)
-        self._schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lm_loss)
 
-    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape[0] % self.microbatches:
-            raise ValueError(f"layout pp2: data.batch_size={x.shape[0]} must be a multiple of layout.microbatches={self.microbatches}")
-        return x, y  # the first stage feeds x, the last scores against y
+class Pipeline:
+    """The 1F1B schedule of one rank's stage, over the ranks of ``group`` (its pp group: the
+    ranks that differ from it in the pp coordinate only, in stage order)."""
+
+    def __init__(self, stage: Stage, index: int, stages: int, microbatches: int, device: torch.device, group: Any, tied_group: Any) -> None:
+        self.stage, self.index, self.stages, self.group = stage, index, stages, group
+        # the embedding matrix is also the head: its gradient is summed over the first and the last stage
+        self.tied = stage.model.head is None and isinstance(stage.model.tok_emb, nn.Embedding) and (stage.first or stage.last)
+        self.tied_group = tied_group
+        self.last_rank = dist.get_global_rank(group, stages - 1)
+        pipe_stage = PipelineStage(stage, index, stages, device, group=group)
+        self.schedule = Schedule1F1B(pipe_stage, n_microbatches=microbatches, loss_fn=lm_loss)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self._schedule.step(x)
-        elif self.rank == self.world - 1:
-            self._schedule.step(target=y, losses=losses)
+        if self.stage.first:
+            self.schedule.step(x)
+        elif self.stage.last:
+            self.schedule.step(target=y, losses=losses)
         else:
-            self._schedule.step()
-        if self.tied and self.rank in (0, self.world - 1):
-            self._sum_tied_grad()
-        loss = torch.stack([x.detach().float() for x in losses]).mean().reshape(1) if losses else torch.zeros(1)
-        dist.broadcast(loss, src=self.world - 1)  # every stage reports the batch's loss
+            self.schedule.step()
+        if self.tied:
+            w = self.stage.model.tok_emb.weight
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            grad = w.grad.to_local() if hasattr(w.grad, "to_local") else w.grad
+            dist.all_reduce(grad, group=self.tied_group)
+        loss = torch.stack([v.detach().float() for v in losses]).mean().reshape(1).cpu() if losses else torch.zeros(1)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)  # every stage reports the batch's loss
         return float(loss.item())
-
-    def _sum_tied_grad(self) -> None:
-        w = self.module.tok_emb.weight
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        dist.all_reduce(w.grad, group=self._tied_group)
-
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
-        """The norm over every stage's gradients, the tied embedding counted once."""
-        sq = torch.zeros(1, dtype=torch.float64)
-        for n, p in self.module.named_parameters():
-            if p.grad is not None and not (self.tied and n == "tok_emb.weight" and self.rank != 0):
-                sq += p.grad.double().pow(2).sum()
-        dist.all_reduce(sq)
-        coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-
-    def held(self) -> dict[str, Held]:
-        return {n: Held(p.data, Box.whole(p.shape), not (self.tied and n == "tok_emb.weight" and self.rank != 0)) for n, p in self.module.named_parameters()}
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, {n: p.detach().clone() for n, p in self.module.named_parameters()})
-        return {n: t for part in parts for n, t in part.items()}
