@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from diloco.api import DiLoCo, check_site_args, check_sync_args
@@ -30,6 +32,7 @@ class SiteSettings:
         round_timeout_s: float = 3600.0,
         connect_timeout_s: float = 120.0,
         security: SecurityConfig | None = None,
+        process_group: Any = None,
     ) -> None:
         check_site_args(site_id, sync_every, tokens_per_step)
         check_sync_args(error_feedback, error_feedback_decay, round_timeout_s)
@@ -43,14 +46,34 @@ class SiteSettings:
         self.round_timeout_s = round_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.security = security
+        self.process_group = process_group
 
     def join(self, model: nn.Module) -> DiLoCo:
-        """Joins the run as this site and loads the global θ into ``model`` (in place)."""
+        """Joins the run as this site and loads the global θ into ``model`` (in place). On a
+        multi-rank site every rank calls it (collective): ``model`` is the rank's module as the
+        trainer runs it or the module inside: wrappers that only rename the parameters (DDP,
+        DataParallel, ``torch.compile``) are seen through, also in one process, so the synced
+        names are the user's module's; FSDP2 and tensor-parallel parameters are synced as the
+        slices the rank holds; FSDP1's flat parameters are refused, naming one)."""
         site = DiLoCo(
-            model, None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
+            inner_module(model), None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
             tokens_per_step=self.tokens_per_step or 1, codec=self.codec, error_feedback=self.error_feedback,
             error_feedback_decay=self.error_feedback_decay, round_timeout_s=self.round_timeout_s,
             connect_timeout_s=self.connect_timeout_s, security=self.security,
+            process_group=self.process_group,
         )  # fmt: skip
         site.join()  # closes the connection again if it fails
         return site
+
+
+def inner_module(model: nn.Module) -> nn.Module:
+    """``model`` without the wrappers that only rename its parameters (DDP, DataParallel,
+    ``torch.compile``): the user's module, for its attributes (e.g. ``main_input_name``)."""
+    while True:
+        for cls, attr in (("DistributedDataParallel", "module"), ("DataParallel", "module"), ("OptimizedModule", "_orig_mod")):
+            inner = getattr(model, attr, None)
+            if type(model).__name__ == cls and isinstance(inner, nn.Module):
+                model = inner
+                break
+        else:
+            return model

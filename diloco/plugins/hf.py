@@ -4,7 +4,8 @@
     Trainer(model, args, train_dataset=ds,
             callbacks=[DiLoCoCallback(coordinator="10.0.0.1:50051", site_id="eu-1", sync_every=100)])
 
-Needs ``transformers`` (and the ``accelerate`` its Trainer uses).
+Needs ``transformers`` (and the ``accelerate`` its Trainer uses). Under ``torchrun`` every rank
+runs the same Trainer with the same callback: the ranks are one site (see ``DiLoCoCallback``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from diloco.api import DiLoCo
-from diloco.plugins.common import SiteSettings
+from diloco.plugins.common import SiteSettings, inner_module
 
 
 class DiLoCoCallback(TrainerCallback, SiteSettings):
-    """Makes a ``transformers.Trainer`` run a DiLoCo site (one training process per site).
+    """Makes a ``transformers.Trainer`` run a DiLoCo site: one process, or every rank of a
+    torchrun group (the site's ranks: ``process_group``, default the whole world).
 
     - train begin: joins the coordinator and loads its global θ into the model, before the
       first step (in place, so the optimizer the Trainer already built keeps its parameters);
@@ -31,20 +33,36 @@ class DiLoCoCallback(TrainerCallback, SiteSettings):
       ``control.should_training_stop``;
     - train end: leaves the run, reporting the hash of the site's θ.
 
+    Several ranks: the Trainer wraps the model in DDP itself and gives callbacks the model
+    inside (the callback sees through DDP, DataParallel and ``torch.compile`` wrappers either
+    way). Every rank loads the global θ and counts its steps; each parameter is pushed by one
+    of the ranks holding it (a DDP site's push comes in one part per rank) and the pulled θ
+    is broadcast to the others; one rank joins and leaves for the site. FSDP2 parameters
+    (DTensors) would be synced as each rank's slices, but Accelerate (1.16) does not shard on
+    CPU: ``AcceleratorState`` sets ``DistributedType.FSDP`` only for multi-GPU/XPU/NPU/...
+    types, so ``fsdp="full_shard"`` with gloo on CPU silently trains with DDP
+    (``trainer.is_fsdp_enabled`` is False). FSDP1 (``fsdp_version`` 1, on GPUs) is refused at
+    train begin: its flat parameters hide which slices a rank holds.
+
     The loss reported for a round is the mean of the ``loss`` values the Trainer logged in
-    it (NaN if it logged none: set ``logging_steps`` to at most ``sync_every``). The Trainer
-    logs a step just after ``on_step_end``, so when the round's last step is also a logging
-    step, the round ends in ``on_log``, right after that loss is logged.
+    it (NaN if it logged none: set ``logging_steps`` to at most ``sync_every``); on several
+    ranks the Trainer logs on every rank the loss averaged over the ranks, so the round's
+    loss is the site's. The Trainer logs a step just after ``on_step_end``, so when the
+    round's last step is also a logging step, the round ends in ``on_log``, right after that
+    loss is logged.
 
     ``tokens_per_step``: the averaging weight of one step. ``None`` (default) counts the
     tokens the model really saw: for every training forward pass (each micro-batch of
     gradient accumulation) the number of ones in ``attention_mask`` if it is given, else
     the number of elements of the model's main input (``input_ids``); a step in which none
-    was seen counts 1. An int gives every step that weight.
+    was seen counts 1. An int gives every step that weight. On several ranks each rank counts
+    its own micro-batches and the round's tokens are the sum over the site's ranks (an int:
+    ``tokens_per_step`` per step of each rank, summed alike).
 
     Arguments (see ``SiteSettings``): ``coordinator``, ``site_id``, ``sync_every``, ``codec``,
     ``tokens_per_step``, and keyword-only the sync settings of ``diloco.DiLoCo``:
-    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``, ``security``.
+    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``, ``security``,
+    ``process_group``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -58,13 +76,11 @@ class DiLoCoCallback(TrainerCallback, SiteSettings):
         """Joins the run and loads the global θ into the model."""
         if model is None:
             raise ValueError("DiLoCoCallback: the Trainer passed no model")
-        if args.world_size > 1:
-            raise ValueError(f"DiLoCoCallback: world_size={args.world_size}; a site must train in one process")
-        site = self.join(model)
+        site = self.join(model)  # on a multi-rank site: every rank, collectively
         self.site = site
         self._tokens, self._round_due = 0, False
         if self.tokens_per_step is None:
-            main_input = getattr(model, "main_input_name", "input_ids")
+            main_input = getattr(inner_module(model), "main_input_name", "input_ids")
             self._hook = model.register_forward_pre_hook(lambda m, a, kw: self._count_tokens(m, a, kw, main_input), with_kwargs=True)
         if site.finished:
             control.should_training_stop = True

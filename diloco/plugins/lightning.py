@@ -3,7 +3,8 @@
     from diloco.plugins.lightning import DiLoCoLightningCallback
     Trainer(callbacks=[DiLoCoLightningCallback(coordinator="10.0.0.1:50051", site_id="eu-1", sync_every=100)])
 
-Needs ``lightning`` (``lightning.pytorch``).
+Needs ``lightning`` (``lightning.pytorch``). With a multi-process strategy every rank runs the
+same callback: the ranks are one site (see ``DiLoCoLightningCallback``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ from diloco.plugins.common import SiteSettings
 
 
 class DiLoCoLightningCallback(Callback, SiteSettings):
-    """Makes a Lightning ``Trainer`` run a DiLoCo site (one training process per site).
+    """Makes a Lightning ``Trainer`` run a DiLoCo site: one process, or every rank of a
+    multi-process strategy (the site's ranks: ``process_group``, default the whole world).
 
     The synced parameters are the LightningModule's ``named_parameters()`` (names included,
     e.g. ``model.…`` for a module kept as ``self.model``): the coordinator must hold the same.
+
+    Several ranks (``devices`` > 1 with a multi-process strategy; tested under torchrun): with ``strategy="ddp"`` each parameter is
+    pushed by one of the ranks (the site's push comes in one part per rank) and the pulled θ
+    broadcast to the others; with ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and/or
+    tensor parallelism in ``configure_model``, which runs on CPU with gloo) each rank pushes
+    and pulls the slices it holds. One rank joins and leaves for the site. ``FSDPStrategy``
+    (FSDP1) cannot be a site: Lightning refuses it without a GPU, and its flat parameters are
+    refused by the site (they hide which slices a rank holds).
 
     - ``on_train_start``: joins the coordinator and loads its global θ into the module, before
       the first step (in place: the optimizers keep their parameters);
@@ -38,17 +48,20 @@ class DiLoCoLightningCallback(Callback, SiteSettings):
 
     The loss reported for a round is the mean over its steps of the loss ``training_step``
     returned (a tensor, or a dict's ``"loss"``), summed over the micro-batches of a step
-    (Lightning has divided each by ``accumulate_grad_batches``); NaN if there was none.
+    (Lightning has divided each by ``accumulate_grad_batches``); NaN if there was none. On
+    several ranks each rank records its own losses and the site reports their mean.
 
     ``tokens_per_step``: the averaging weight of one step. ``None`` (default) counts the
     tokens of every batch of the step: the ones of a dict batch's ``attention_mask``, else
     the elements of its integer token tensor (the batch itself, a tuple/list batch's first
     element, or a dict batch's ``"input_ids"``); a step in which none was found counts 1.
-    An int gives every step that weight.
+    An int gives every step that weight. On several ranks each rank counts its own batches
+    and the round's tokens are the sum over the site's ranks.
 
     Arguments (see ``SiteSettings``): ``coordinator``, ``site_id``, ``sync_every``, ``codec``,
     ``tokens_per_step``, and keyword-only the sync settings of ``diloco.DiLoCo``:
-    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``, ``security``.
+    ``error_feedback``, ``error_feedback_decay``, ``round_timeout_s``, ``connect_timeout_s``, ``security``,
+    ``process_group``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -60,9 +73,7 @@ class DiLoCoLightningCallback(Callback, SiteSettings):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Joins the run and loads the global θ into the module."""
-        if trainer.world_size > 1:
-            raise ValueError(f"DiLoCoLightningCallback: world_size={trainer.world_size}; a site must train in one process")
-        site = self.join(pl_module)
+        site = self.join(pl_module)  # on a multi-rank site: every rank, collectively
         self.site = site
         self._last_step, self._tokens, self._loss = trainer.global_step, 0, None
         if site.finished:

@@ -212,3 +212,24 @@ def test_import_diloco_does_not_import_the_frameworks() -> None:
         "import sys, diloco, diloco.api, diloco.plugins; assert not {'transformers', 'lightning', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_wrapped_model_syncs_the_users_names_in_one_process() -> None:
+    # The Trainer gives callbacks its unwrapped model, but a wrapper that only renames the
+    # parameters (DataParallel, torch.compile; DDP alike) is seen through: the site joins with
+    # the user's names and loads θ into the same tensors.
+    from diloco.plugins.common import SiteSettings, inner_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    wrapped = torch.nn.DataParallel(torch.compile(model))  # compiled lazily: nothing is traced here
+    assert inner_module(wrapped) is model and inner_module(model) is model
+    theta0 = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}  # "0.weight", ... without "module._orig_mod."
+    coord = coordinator(theta0, CoordinatorConfig(total_rounds=1))
+    with served_coordinator(coord) as address:
+        site = SiteSettings(coordinator=address, site_id="eu-1", sync_every=2).join(wrapped)
+        try:
+            assert all(torch.equal(p, theta0[n]) for n, p in model.named_parameters())
+        finally:
+            site.close()
