@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 from diloco.codec import CodecConfig, codec_config
-from diloco.outer import params_sha256
 from diloco.security.config import SecurityConfig
 from diloco.site.exchange import Timeouts
 from diloco.site.layouts.base import ParallelModel, unwrap
@@ -369,11 +368,11 @@ class DiLoCo:
 
     def global_sha256(self) -> str:
         """The hash of the site's copy of the global θ (params_sha256 of the whole tensors).
-        On a multi-rank site every rank must call it: the ranks' slices are gathered whole,
-        which costs a model's worth of memory: for checks, not for every round."""
+        On a multi-rank site every rank must call it: the ranks' slices are gathered to rank 0
+        one tensor at a time: for checks, not for every round."""
         if self.layout.world == 1:
             return self.sync.global_sha256()
-        return params_sha256(self.layout.whole(self.sync.global_params))  # type: ignore[attr-defined]
+        return self.layout.whole_sha256(self.sync.global_params)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Stops the heartbeats and closes the connection without leaving (after a failure)."""

@@ -9,6 +9,7 @@ from torch import nn
 from diloco.api import DiLoCo, check_site_args, check_sync_args
 from diloco.codec import CodecConfig
 from diloco.security.config import SecurityConfig
+from diloco.site.layouts.base import see_through
 
 
 class SiteSettings:
@@ -56,7 +57,7 @@ class SiteSettings:
         names are the user's module's; FSDP2 and tensor-parallel parameters are synced as the
         slices the rank holds; FSDP1's flat parameters are refused, naming one)."""
         site = DiLoCo(
-            inner_module(model), None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
+            see_through(model), None, coordinator=self.coordinator, site_id=self.site_id, sync_every=self.sync_every,
             tokens_per_step=self.tokens_per_step or 1, codec=self.codec, error_feedback=self.error_feedback,
             error_feedback_decay=self.error_feedback_decay, round_timeout_s=self.round_timeout_s,
             connect_timeout_s=self.connect_timeout_s, security=self.security,
@@ -64,16 +65,3 @@ class SiteSettings:
         )  # fmt: skip
         site.join()  # closes the connection again if it fails
         return site
-
-
-def inner_module(model: nn.Module) -> nn.Module:
-    """``model`` without the wrappers that only rename its parameters (DDP, DataParallel,
-    ``torch.compile``): the user's module, for its attributes (e.g. ``main_input_name``)."""
-    while True:
-        for cls, attr in (("DistributedDataParallel", "module"), ("DataParallel", "module"), ("OptimizedModule", "_orig_mod")):
-            inner = getattr(model, attr, None)
-            if type(model).__name__ == cls and isinstance(inner, nn.Module):
-                model = inner
-                break
-        else:
-            return model

@@ -18,7 +18,8 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from diloco.api import DiLoCo
-from diloco.plugins.common import SiteSettings, inner_module
+from diloco.plugins.common import SiteSettings
+from diloco.site.layouts.base import see_through
 
 
 class DiLoCoCallback(TrainerCallback, SiteSettings):
@@ -80,7 +81,7 @@ class DiLoCoCallback(TrainerCallback, SiteSettings):
         self.site = site
         self._tokens, self._round_due = 0, False
         if self.tokens_per_step is None:
-            main_input = getattr(inner_module(model), "main_input_name", "input_ids")
+            main_input = getattr(see_through(model), "main_input_name", "input_ids")
             self._hook = model.register_forward_pre_hook(lambda m, a, kw: self._count_tokens(m, a, kw, main_input), with_kwargs=True)
         if site.finished:
             control.should_training_stop = True

@@ -219,12 +219,13 @@ def test_a_wrapped_model_syncs_the_users_names_in_one_process() -> None:
     # The Trainer gives callbacks its unwrapped model, but a wrapper that only renames the
     # parameters (DataParallel, torch.compile; DDP alike) is seen through: the site joins with
     # the user's names and loads θ into the same tensors.
-    from diloco.plugins.common import SiteSettings, inner_module
+    from diloco.plugins.common import SiteSettings
+    from diloco.site.layouts.base import see_through
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
     wrapped = torch.nn.DataParallel(torch.compile(model))  # compiled lazily: nothing is traced here
-    assert inner_module(wrapped) is model and inner_module(model) is model
+    assert see_through(wrapped) is model and see_through(model) is model
     theta0 = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}  # "0.weight", ... without "module._orig_mod."
     coord = coordinator(theta0, CoordinatorConfig(total_rounds=1))
     with served_coordinator(coord) as address:

@@ -28,15 +28,22 @@ class LayoutError(ValueError):
 _SEE_THROUGH = (("DistributedDataParallel", "module"), ("DataParallel", "module"), ("OptimizedModule", "_orig_mod"))
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """``model`` without the wrappers that only rename its parameters; LayoutError for FSDP1,
-    whose flat parameters hide which slices of which tensors a rank holds."""
+def see_through(model: nn.Module) -> nn.Module:
+    """``model`` without the wrappers that only rename its parameters (DDP, DataParallel,
+    ``torch.compile``): the user's module."""
     seen = True
     while seen:
         seen = False
         for cls, attr in _SEE_THROUGH:
             if type(model).__name__ == cls and isinstance(getattr(model, attr, None), nn.Module):
                 model, seen = getattr(model, attr), True
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """``see_through(model)``; LayoutError for FSDP1, whose flat parameters hide which slices
+    of which tensors a rank holds."""
+    model = see_through(model)
     for name, p in model.named_parameters():
         if type(p).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in name or name.endswith("_flat_param"):
             raise LayoutError(

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from diloco.boxes import Box, tiling_problem
+from diloco.outer import params_sha256
 from diloco.site.layouts.base import DistributedModel, Held, LayoutError, unwrap
 from diloco.site.layouts.fsdp import dtensor_box
 from diloco.types import TensorSpec
@@ -199,10 +200,6 @@ class FoundModel(DistributedModel):
                 out[n] = Held(_local(p), box, True)
         return out
 
-    def pushed_elements(self) -> int:
-        """How many elements this rank pushes (its share of one model)."""
-        return sum(key[1].numel for key, r in self.plan.owner.items() if r == self.rank)
-
     def after_pull(self) -> None:
         """Each box pulled by one rank is broadcast to the other ranks holding it."""
         with torch.no_grad():
@@ -217,6 +214,38 @@ class FoundModel(DistributedModel):
 
     def held_values(self) -> dict[str, torch.Tensor]:
         return {n: h.tensor for n, h in self.held().items()}
+
+    def whole_sha256(self, mine: Mapping[str, torch.Tensor]) -> str:
+        """params_sha256 of the whole tensors that every rank's ``mine`` (its own boxes' values,
+        as ``held`` names them) make up, on every rank. The tensors are gathered to rank 0 one
+        at a time, so no rank holds more than one whole tensor beyond its own: for checking
+        hashes at the end of a run, never on the sync path (every rank must call it)."""
+        leader = dist.get_global_rank(self.group, 0)
+        site = self
+
+        class _OneAtATime(Mapping[str, torch.Tensor]):
+            def __iter__(self):  # type: ignore[no-untyped-def]
+                return iter(site.specs)
+
+            def __len__(self) -> int:
+                return len(site.specs)
+
+            def __getitem__(self, name: str) -> torch.Tensor:
+                part = (site._box(name), mine[name].detach().cpu()) if name in mine else None
+                parts: list[Any] = [None] * site.world if site.leader else []
+                dist.gather_object(part, parts if site.leader else None, dst=leader, group=site.group)
+                spec = site.specs[name]
+                out = torch.empty(spec.shape if site.leader else (0,), dtype=getattr(torch, spec.dtype))
+                for got in parts:
+                    if got is not None:
+                        out[got[0].slices()] = got[1]
+                return out
+
+        digest = [params_sha256(_OneAtATime()) if self.leader else ""]
+        if not self.leader:
+            params_sha256(_OneAtATime())  # the same gathers, in the same order
+        dist.broadcast_object_list(digest, src=leader, group=self.group)
+        return digest[0]
 
     def whole(self, mine: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole tensors from every rank's ``mine`` (its own boxes' values, as ``held`` names
