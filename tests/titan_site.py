@@ -148,7 +148,8 @@ def run_loop(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     training = TrainingConfig(local_batch_size=args.batch, seq_len=args.seq_len, mixed_precision_param="float32")
     dims = ParallelDims.from_config(parallelism, world)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    config = model_config(args.layers, "sdpa" if device.type == "cpu" else "flex")
+    attention = "sdpa" if device.type == "cpu" else "flex"  # FlexAttention has no backward on a CPU
+    config = model_config(args.layers, attention)
     config.update_from_config(config=Trainer.Config(parallelism=parallelism, training=training))  # as its Trainer does
     with torch.device("meta"):
         model = config.build()
@@ -175,11 +176,15 @@ def run_loop(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     with DiLoCo(model, optimizer, coordinator=args.coordinator, site_id=args.site_id, sync_every=args.sync_every) as dl:
         hashes["start"] = params_sha256(whole_state(model, distributed))
         while not dl.finished:
-            inputs, labels = next(data)
-            inputs, labels = inputs["input"].to(device), labels.to(device)
+            batch_in, labels = next(data)
+            inputs, labels = batch_in["input"].to(device), labels.to(device)
+            extra = {}
+            if attention == "flex":  # the masks torchtitan's Trainer builds for its flex attention
+                positions = batch_in["positions"].to(device)
+                extra = {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
             global_tokens = torch.tensor(labels.numel() * dps, device=device)
             with context():
-                loss, _ = loss_fn(model(inputs), labels, global_tokens)  # this rank's summed loss / the step's tokens
+                loss, _ = loss_fn(model(inputs, **extra), labels, global_tokens)  # this rank's summed loss / the step's tokens
                 loss.backward()
             mean = float(loss.detach()) * dps  # this rank's mean loss per token
             dl.record_loss(mean, tokens=labels.numel() if counts else 0)
@@ -281,7 +286,9 @@ def main() -> None:
         device = torch.device(args.device)
         if device.type == "cpu":
             on_cpu()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "WORLD_SIZE" in os.environ:  # under torchrun, even one rank: torchtitan's meshes need a process group
             init_distributed("gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl")
         result = run_loop(args, device)
     result["wall_s"] = time.perf_counter() - t0
