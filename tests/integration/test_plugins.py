@@ -209,7 +209,8 @@ def test_bad_arguments_name_the_argument(plugin: str) -> None:
 @pytest.mark.timeout(60)
 def test_import_diloco_does_not_import_the_frameworks() -> None:
     code = (
-        "import sys, diloco, diloco.api, diloco.plugins; assert not {'transformers', 'lightning', 'pytorch_lightning'} & set(sys.modules), sorted(sys.modules)"
+        "import sys, diloco, diloco.api, diloco.plugins; "
+        "assert not {'transformers', 'lightning', 'pytorch_lightning', 'torchtitan'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
 
@@ -234,3 +235,13 @@ def test_a_wrapped_model_syncs_the_users_names_in_one_process() -> None:
             assert all(torch.equal(p, theta0[n]) for n, p in model.named_parameters())
         finally:
             site.close()
+
+
+def test_the_torchtitan_plugin_without_torchtitan_says_which_extra_to_install() -> None:
+    # torchtitan made unimportable (as where it is not installed): the plug-in names the extra
+    code = (
+        "import sys; sys.modules['torchtitan'] = None\n"
+        "try:\n    import diloco.plugins.torchtitan\nexcept ImportError as e:\n    print(e)\nelse:\n    raise SystemExit('imported')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=50, capture_output=True, text=True).stdout
+    assert "pip install diloco[torchtitan]" in out and "torchtitan" in out, out

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Imported only where a feature needs them (the plug-ins; model=hf, which says so when it is
 # missing), each under its own extra (pyproject's optional-dependencies).
-EXTRAS = {"diloco/plugins/hf.py": "hf", "diloco/plugins/lightning.py": "lightning", "diloco/model.py": "hf"}
+EXTRAS = {"diloco/plugins/hf.py": "hf", "diloco/plugins/lightning.py": "lightning", "diloco/plugins/torchtitan.py": "torchtitan", "diloco/model.py": "hf"}
 
 
 def _requirement_name(req: str) -> str:
