@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
 
 SITES = {"one": ("none", 1), "fsdp": ("fsdp", 2), "tp": ("tp", 2), "mesh2d": ("tp_fsdp", 4), "pp": ("pp", 2), "ddp": ("ddp", 2)}
-ROUNDS, H, BATCH = 3, 4, 16
+ROUNDS, H, BATCH = 2, 4, 16  # FSDP2's rank 1 is killed in round 1, the last
 PARAMS = sum(p.numel() for p in build(0).parameters())
 
 
