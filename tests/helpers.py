@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -89,6 +90,67 @@ def kill_group(popen: subprocess.Popen[Any]) -> None:
         os.killpg(popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---- a standalone coordinator and site processes (torchrun groups or one process) ----------
+
+
+def popen_logged(args: list[str], log: Path, cwd: Path = ROOT / "tests") -> subprocess.Popen[Any]:
+    """``args`` in its own process group, stdout and stderr to ``log``; this checkout's ``diloco``
+    first on the path (a worktree's, not the venv's editable install)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd, env=env)
+
+
+def torchrun(ranks: int, script: str, *args: str, restarts: int = 1, one_plain: bool = True) -> list[str]:
+    """``script ARGS`` as a torchrun group of ``ranks`` (for 1, a plain process unless not ``one_plain``)."""
+    if ranks == 1 and one_plain:
+        return [sys.executable, script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={restarts}", script, *args]
+
+
+def logs_of(d: Path) -> str:
+    """The tail of every ``*.log`` in ``d``, for an assertion's message."""
+    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(d.glob("*.log")))
+
+
+def stop_all(procs: list[subprocess.Popen[Any]]) -> None:
+    """Kills what is left of each process's group and reaps it."""
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p)
+        p.wait(10)
+
+
+def start_coordinator(d: Path, *overrides: str) -> tuple[subprocess.Popen[Any], Path]:
+    """``diloco-coordinator OVERRIDES`` on 127.0.0.1, port 0, its run in ``d/coord``, its log
+    ``d/coord.log``; returns the process and its port file (see ``address_of``)."""
+    port_file = d / "port.json"
+    args = [str(Path(sys.executable).parent / "diloco-coordinator"), *overrides, "coordinator.host=127.0.0.1", "coordinator.port=0"]
+    return popen_logged([*args, f"coordinator.port_file={port_file}", f"hydra.run.dir={d / 'coord'}"], d / "coord.log"), port_file
+
+
+def address_of(coordinator: subprocess.Popen[Any], port_file: Path, timeout: float = 60.0) -> str:
+    """HOST:PORT of a coordinator once its port file exists (it failed or took too long: the logs)."""
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        assert coordinator.poll() is None and time.monotonic() < deadline, logs_of(port_file.parent)
+        time.sleep(0.1)
+    return f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+
+
+def wait_for_log(d: Path, log: str, says: str, proc: subprocess.Popen[Any], timeout: float = 90.0) -> None:
+    """Waits until ``d/log`` contains ``says`` (``proc`` ended first, or too long: the logs)."""
+    deadline = time.monotonic() + timeout
+    while says not in (d / log).read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, logs_of(d)
+        time.sleep(0.1)
+
+
+def coordinator_records(d: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """global.json and metrics.jsonl's records of the coordinator run in ``d/coord``."""
+    final = json.loads((d / "coord" / "global.json").read_text())
+    return final, [json.loads(line) for line in (d / "coord" / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_sim(run_dir: Path, *overrides: str, timeout: float = 120.0, plots: bool = False) -> Run:

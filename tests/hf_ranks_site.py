@@ -25,10 +25,10 @@ import faulthandler
 import gc
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
+from site_args import coordinator_address
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from diloco.outer import params_sha256
@@ -93,23 +93,6 @@ class Probe(TrainerCallback):
         if logs and "loss" in logs:
             self.losses[state.global_step] = logs["loss"]
         self._check(model)
-
-
-def coordinator_address(given: str | None, port_file: str | None) -> str:
-    """``--coordinator``, or the address in the coordinator's ``--port-file`` once it exists
-    (so the site starts importing while the coordinator starts)."""
-    if given:
-        return given
-    if not port_file:
-        raise SystemExit("--coordinator or --port-file is needed")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(port_file):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no coordinator port file at {port_file} after 60 s")
-        time.sleep(0.1)
-    with open(port_file) as f:
-        where = json.load(f)
-    return f"{where.get('host') or '127.0.0.1'}:{where['port']}"
 
 
 def main() -> None:

@@ -25,11 +25,11 @@ import faulthandler
 import gc
 import json
 import os
-import time
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from site_args import coordinator_address
 
 from diloco.model import build_model, lm_loss, model_config
 from diloco.outer import params_sha256
@@ -86,23 +86,6 @@ class Probe(pl.Callback):
         if site is not None and site.round != self.round:
             self.hashes[str(self.round)] = params_sha256(whole_state(pl_module))
             self.round = site.round
-
-
-def coordinator_address(given: str | None, port_file: str | None) -> str:
-    """``--coordinator``, or the address in the coordinator's ``--port-file`` once it exists
-    (so the site starts importing while the coordinator starts)."""
-    if given:
-        return given
-    if not port_file:
-        raise SystemExit("--coordinator or --port-file is needed")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(port_file):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no coordinator port file at {port_file} after 60 s")
-        time.sleep(0.1)
-    with open(port_file) as f:
-        where = json.load(f)
-    return f"{where.get('host') or '127.0.0.1'}:{where['port']}"
 
 
 def main() -> None:

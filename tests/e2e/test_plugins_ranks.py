@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,51 +25,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import coordinator_records, logs_of, popen_logged, start_coordinator, stop_all, torchrun
 
 pytestmark = pytest.mark.timeout(150)
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 ROUNDS, H = 3, 3  # rounds of H optimizer steps
 
 
-def _popen(args: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT, env=env)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(10)
-
-
 def _torchrun(script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "tests" / script), *args]
+    return torchrun(2, str(ROOT / "tests" / script), *args, restarts=0)
 
 
 def _run(tmp_path: Path, coord_args: list[str], sites: dict[str, list[str]]) -> tuple[dict, list[dict], dict[str, dict]]:
     """Starts the coordinator and the sites at once (each site waits for the port file, so its
     imports overlap the coordinator's start), waits for all, stops whatever is left; returns
     global.json, metrics.jsonl's records and each site's result file."""
-    port_file = tmp_path / "port.json"
-    logs = [tmp_path / "coord.log"] + [tmp_path / f"{s}.log" for s in sites]
     procs: list[subprocess.Popen] = []
     try:
-        coord = [str(BIN / "diloco-coordinator"), *coord_args, f"sites={len(sites)}", f"rounds={ROUNDS}", f"sync.every={H}"]
-        coord += ["coordinator.host=127.0.0.1", "coordinator.port=0", f"coordinator.port_file={port_file}", f"hydra.run.dir={tmp_path / 'coord'}"]
-        procs.append(_popen(coord, logs[0]))
+        coordinator, port_file = start_coordinator(tmp_path, *coord_args, f"sites={len(sites)}", f"rounds={ROUNDS}", f"sync.every={H}")
+        procs.append(coordinator)
         for site, cmd in sites.items():
-            procs.append(_popen([*cmd, "--site-id", site, "--port-file", str(port_file), "--out", str(tmp_path / f"{site}.json")], tmp_path / f"{site}.log"))
+            out = ["--site-id", site, "--port-file", str(port_file), "--out", str(tmp_path / f"{site}.json")]
+            procs.append(popen_logged([*cmd, *out], tmp_path / f"{site}.log", cwd=ROOT))
         deadline = time.monotonic() + 120
         for p in procs:
             rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            assert rc == 0, "\n".join(f"---- {log.name}\n{log.read_text()[-6000:]}" for log in logs)
+            assert rc == 0, logs_of(tmp_path)
     finally:
-        _stop(procs)
-    final = json.loads((tmp_path / "coord" / "global.json").read_text())
-    metrics = [json.loads(line) for line in (tmp_path / "coord" / "metrics.jsonl").read_text().splitlines()]
+        stop_all(procs)
+    final, metrics = coordinator_records(tmp_path)
     results = {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in sites}
     return final, metrics, results
 

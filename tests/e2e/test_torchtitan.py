@@ -12,15 +12,11 @@ Skipped, naming what is missing, without torchtitan and its dependencies (the to
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import address_of, coordinator_records, logs_of, popen_logged, start_coordinator, stop_all, torchrun, wait_for_log
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -30,7 +26,6 @@ try:  # what the site imports: torchtitan's model code and its Trainer's config 
 except ImportError as e:
     pytest.skip(f"torchtitan is not importable ({e}): pip install diloco[torchtitan]", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 SITES = {"fsdp": ("--dp-shard", 2), "tp": ("--tp", 2), "one": ("--dp-shard", 1)}  # the flag's degree: the site's ranks
 ROUNDS, H, BATCH, SEQ, LAYERS = 3, 2, 2, 64, 2
 
@@ -43,49 +38,28 @@ def _params() -> int:
         return sum(p.numel() for p in model_config(LAYERS, "sdpa").build().parameters())
 
 
-def _popen(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT / "tests")
-
-
-def _logs(d: Path) -> str:
-    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(d.glob("*.log")))
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("titan")
-    port_file = d / "port.json"
-    bin_dir = Path(sys.executable).parent
-    coord_args = ["init=site", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}", "coordinator.port=0"]
-    procs = [_popen([str(bin_dir / "diloco-coordinator"), *coord_args, f"coordinator.port_file={port_file}", f"hydra.run.dir={d / 'coord'}"], d / "coord.log")]
     t0 = time.monotonic()
+    coordinator, port_file = start_coordinator(d, "init=site", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}")
+    procs = [coordinator]
     try:
-        while not port_file.exists():
-            assert procs[0].poll() is None and time.monotonic() < t0 + 60, _logs(d)
-            time.sleep(0.1)
-        address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+        address = address_of(coordinator, port_file)
         for seed, (site, (flag, degree)) in enumerate(SITES.items()):
-            run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={degree}", "titan_site.py"]
             args = [flag, str(degree), "--layers", str(LAYERS), "--batch", str(BATCH), "--seq-len", str(SEQ), "--sync-every", str(H)]
             args += ["--coordinator", address, "--site-id", site, "--seed", str(seed), "--dump", str(d / site), "--out", str(d / f"{site}.json")]
-            procs.append(_popen([*run, *args], d / f"{site}.log"))
+            procs.append(
+                popen_logged(torchrun(degree, "titan_site.py", *args, restarts=0, one_plain=False), d / f"{site}.log")
+            )  # torchtitan's meshes need a group
             if site == "fsdp":  # it joins first and sends θ₀ (init=site), each rank its rows
-                while "θ₀ received from site 'fsdp'" not in (d / "coord.log").read_text():
-                    assert procs[-1].poll() is None and time.monotonic() < t0 + 90, _logs(d)
-                    time.sleep(0.1)
-        for p in [*procs[1:], procs[0]]:
-            assert p.wait(timeout=120) == 0, _logs(d)
+                wait_for_log(d, "coord.log", "θ₀ received from site 'fsdp'", procs[-1])
+        for p in [*procs[1:], coordinator]:
+            assert p.wait(timeout=120) == 0, logs_of(d)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-    return {
-        "final": json.loads((d / "coord" / "global.json").read_text()),
-        "metrics": [json.loads(line) for line in (d / "coord" / "metrics.jsonl").read_text().splitlines()],
-        "sites": {s: json.loads((d / f"{s}.json").read_text()) for s in SITES},
-        "wall_s": time.monotonic() - t0,
-    }
+        stop_all(procs)
+    final, metrics = coordinator_records(d)
+    return {"final": final, "metrics": metrics, "sites": {s: json.loads((d / f"{s}.json").read_text()) for s in SITES}, "wall_s": time.monotonic() - t0}
 
 
 def test_every_round_the_sites_hold_the_coordinators_theta(run: dict[str, Any]) -> None:

@@ -13,89 +13,57 @@ has sent θ₀, and before the others join, the bad sites of tests/user_ranks_re
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import address_of, coordinator_records, logs_of, popen_logged, start_coordinator, stop_all, torchrun, wait_for_log
 from user_ranks_site import build
 
 from diloco.outer import params_sha256
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[2]
-
 SITES = {"one": ("none", 1), "fsdp": ("fsdp", 2), "tp": ("tp", 2), "mesh2d": ("tp_fsdp", 4), "pp": ("pp", 2), "ddp": ("ddp", 2)}
 ROUNDS, H, BATCH = 2, 4, 16  # FSDP2's rank 1 is killed in round 1, the last
 PARAMS = sum(p.numel() for p in build(0).parameters())
 
 
-def _popen(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT / "tests")
-
-
-def _torchrun(ranks: int, script: str, *args: str) -> list[str]:
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=1"]
-    return [*run, script, *args] if ranks > 1 else [sys.executable, script, *args]
-
-
-def _logs(d: Path) -> str:
-    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(d.glob("*.log")))
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("ranks")
-    port_file = d / "port.json"
-    bin_dir = Path(sys.executable).parent
-    coord_args = ["init=site", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}", "coordinator.port=0"]
-    procs = [_popen([str(bin_dir / "diloco-coordinator"), *coord_args, f"coordinator.port_file={port_file}", f"hydra.run.dir={d / 'coord'}"], d / "coord.log")]
+    coordinator, port_file = start_coordinator(d, "init=site", f"sites={len(SITES)}", f"rounds={ROUNDS}", f"sync.every={H}")
+    procs, sites = [coordinator], {}
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert procs[0].poll() is None and time.monotonic() < deadline, _logs(d)
-            time.sleep(0.1)
-        address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
-        sites: dict[str, subprocess.Popen] = {}
+        address = address_of(coordinator, port_file)
 
         def start(site: str) -> None:
-            seed = list(SITES).index(site)
             how, ranks = SITES[site]
-            args = ["--parallel", how, "--coordinator", address, "--site-id", site, "--seed", str(seed), "--sync-every", str(H)]
+            args = ["--parallel", how, "--coordinator", address, "--site-id", site, "--seed", str(list(SITES).index(site)), "--sync-every", str(H)]
             args += ["--batch", str(BATCH), "--out", str(d / f"{site}.json")]
             if site == "fsdp":
                 args += ["--kill-rank", "1", "--kill-round", "1"]
-            sites[site] = _popen(_torchrun(ranks, "user_ranks_site.py", *args), d / f"{site}.log")
+            sites[site] = popen_logged(torchrun(ranks, "user_ranks_site.py", *args), d / f"{site}.log")
+            procs.append(sites[site])
 
         # The FSDP2 site joins first and sends θ₀ (init=site), slice by slice from its 2 ranks.
         start("fsdp")
-        while "θ₀ received from site 'fsdp'" not in (d / "coord.log").read_text():
-            assert sites["fsdp"].poll() is None and time.monotonic() < deadline + 60, _logs(d)
-            time.sleep(0.1)
-        refusals = _popen(_torchrun(2, "user_ranks_refusals.py", "--coordinator", address, "--out", str(d / "refusals.json")), d / "refusals.log")
+        wait_for_log(d, "coord.log", "θ₀ received from site 'fsdp'", sites["fsdp"])
+        refusals = popen_logged(torchrun(2, "user_ranks_refusals.py", "--coordinator", address, "--out", str(d / "refusals.json")), d / "refusals.log")
         procs.append(refusals)
-        assert refusals.wait(timeout=120) == 0, _logs(d)
+        assert refusals.wait(timeout=120) == 0, logs_of(d)
         for site in SITES:
             if site != "fsdp":
                 start(site)
-        procs += sites.values()
-        for p in [*sites.values(), procs[0]]:
-            assert p.wait(timeout=180) == 0, _logs(d)
+        for p in [*sites.values(), coordinator]:
+            assert p.wait(timeout=180) == 0, logs_of(d)
     finally:
-        for p in [*procs, *sites.values()]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+        stop_all(procs)
+    final, metrics = coordinator_records(d)
     return {
         "theta0_sha256": params_sha256(dict(build(list(SITES).index("fsdp")).named_parameters())),
         "refusals": json.loads((d / "refusals.json").read_text()),
-        "final": json.loads((d / "coord" / "global.json").read_text()),
-        "metrics": [json.loads(line) for line in (d / "coord" / "metrics.jsonl").read_text().splitlines()],
+        "final": final,
+        "metrics": metrics,
         "sites": {s: json.loads((d / f"{s}.json").read_text()) for s in SITES},
     }
 
