@@ -30,9 +30,7 @@ training starts, ``after_step()`` after every optimizer step (or ``step_done()``
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
 import os
 import sys
 import warnings
@@ -42,55 +40,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.codec import CodecConfig, codec_config
+from diloco.codec import CodecConfig
 from diloco.security.config import SecurityConfig
+from diloco.site.arguments import RunNotServed, check_site_args, check_sync_args, check_tokens, served_problem, stated_settings
 from diloco.site.exchange import Timeouts
 from diloco.site.layouts.base import ParallelModel, unwrap
 from diloco.site.layouts.build import site_group
 from diloco.site.outer_sync import OuterSync, SyncOptions
-from diloco.sync import RunSettings
 from diloco.transport import CoordinatorClient
 
 AFTER_LAST_ROUND = ("warn", "raise")
-
-
-class RunNotServed(RuntimeError):
-    """Raised by ``join`` for a run whose settings this object cannot follow (see
-    ``served_problem``); the message names the setting."""
-
-
-def served_problem(settings: RunSettings) -> str | None:
-    """Why the step-hook API cannot serve a run with ``settings``, or None: it runs blocking
-    rounds of the whole model (any H, sync.schedule, every codec and outer step); streaming
-    fragments, overlap, eager/delayed phases and time budgets need diloco-site's round loop."""
-    sync = settings.sync
-    for key, value, plain in (
-        ("sync.fragments", sync.fragments, 1),
-        ("sync.overlap", sync.overlap, 0),
-        ("sync.mode", str(sync.mode), "blocking"),
-        ("sync.budget_s", sync.budget_s, None),
-    ):
-        if value != plain:
-            return f"this run has {key}={value}: DiLoCo(...) and the trainer plug-ins run blocking rounds of the whole model ({key}={plain}); run this site with diloco-site"
-    return None
-
-
-def stated_settings(
-    *, sync_every: int | None, codec: CodecConfig | str | None, error_feedback: bool | None, error_feedback_decay: float | None
-) -> tuple[RunSettings, tuple[str, ...]]:
-    """The site's own settings (the defaults with what is given) and the keys given (stated)."""
-    base = RunSettings.defaults()
-    given: dict[str, object] = {}
-    if sync_every is not None:
-        given["sync"] = dataclasses.replace(base.sync, every=sync_every)
-    if codec is not None:
-        given["codec"] = codec_config(codec)
-    if error_feedback is not None:
-        given["error_feedback"] = error_feedback
-    if error_feedback_decay is not None:
-        given["error_feedback_decay"] = float(error_feedback_decay)
-    keys = {"sync": "sync.every", "codec": "codec", "error_feedback": "error_feedback", "error_feedback_decay": "error_feedback_decay"}
-    return dataclasses.replace(base, **given), tuple(keys[k] for k in given)  # type: ignore[arg-type]
 
 
 class RunFinished(RuntimeError):
@@ -103,48 +62,6 @@ class RunFinished(RuntimeError):
 class RunFinishedWarning(UserWarning):
     """Warned (once per ``DiLoCo`` object) for the first optimizer step after the
     coordinator's last round, when ``after_last_round="warn"`` (the default)."""
-
-
-def check_site_args(site_id: object, sync_every: object, tokens_per_step: object = 1) -> None:
-    """Raises ValueError, naming the argument, for an empty ``site_id``, a ``sync_every``
-    below 1 (``None``: the run's) or a ``tokens_per_step`` below 1 (``None`` is allowed for
-    tokens_per_step: the plug-ins then count tokens themselves)."""
-    if site_id is None or not str(site_id).strip():
-        raise ValueError(f"site_id={site_id!r}: must be a non-empty string")
-    if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
-        raise ValueError(f"sync_every={sync_every!r}: must be None (the run's) or >= 1")
-    if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1):
-        raise ValueError(f"tokens_per_step={tokens_per_step!r}: must be >= 1")
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_sync_args(error_feedback: object = None, error_feedback_decay: object = None, round_timeout_s: object = 3600.0) -> None:
-    """Raises ValueError, naming the argument, for an ``error_feedback`` that is not a bool
-    (or None: the run's), an ``error_feedback_decay`` outside [0, 1] or a ``round_timeout_s``
-    that is not > 0 (``math.inf``: wait for ever)."""
-    if error_feedback is not None and not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback={error_feedback!r}: must be None (the run's), True or False")
-    if error_feedback_decay is not None and not (_is_number(error_feedback_decay) and 0.0 <= error_feedback_decay <= 1.0):  # type: ignore[operator]
-        raise ValueError(f"error_feedback_decay={error_feedback_decay!r}: must be None (the run's) or a number in [0, 1]")
-    if not (_is_number(round_timeout_s) and round_timeout_s > 0):  # type: ignore[operator]  (NaN fails too)
-        raise ValueError(f"round_timeout_s={round_timeout_s!r}: must be a number of seconds > 0")
-
-
-def _check_tokens(n: object, name: str = "tokens") -> int:
-    """``n`` as an int, or ValueError naming ``name`` unless it is an integer >= 0 (a Python
-    or NumPy int, or a one-element integer tensor; not a bool or a float)."""
-    if not isinstance(n, bool):
-        try:
-            value = operator.index(n)  # type: ignore[arg-type]
-        except (TypeError, RuntimeError, ValueError):
-            pass
-        else:
-            if value >= 0:
-                return value
-    raise ValueError(f"{name}={n!r}: must be an integer >= 0")
 
 
 def _holds_dtensors(model: nn.Module) -> bool:
@@ -313,7 +230,7 @@ class DiLoCo:
         The next counted step takes the sum of what was added since the previous step as its
         averaging weight, instead of ``tokens_per_step``; a step with nothing added falls back
         to ``tokens_per_step``. Tokens added after the step count toward the next one."""
-        n = _check_tokens(n, "n")
+        n = check_tokens(n, "n")
         self._pending_tokens = (self._pending_tokens or 0) + n
 
     def after_step(self, tokens: int | None = None) -> bool:
@@ -335,7 +252,7 @@ class DiLoCo:
         if tokens is None:
             tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
         else:
-            tokens = _check_tokens(tokens)
+            tokens = check_tokens(tokens)
         self._pending_tokens = None
         self.steps += 1
         if self.sync.finished:
@@ -395,7 +312,7 @@ class DiLoCo:
         round's mean loss; ``tokens=n`` also calls ``add_tokens(n)`` (then call it before
         ``optimizer.step()``)."""
         if tokens is not None:
-            tokens = _check_tokens(tokens)
+            tokens = check_tokens(tokens)
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         self._losses.append(value)
         if tokens is not None:

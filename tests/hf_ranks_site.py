@@ -20,7 +20,6 @@ the global step the Trainer stopped at and the round count.
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import gc
 import json
@@ -28,7 +27,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from site_args import coordinator_address
+from site_args import coordinator_address, site_parser
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from diloco.outer import params_sha256
@@ -96,14 +95,8 @@ class Probe(TrainerCallback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--coordinator", help="HOST:PORT")
-    p.add_argument("--port-file", help="else: the coordinator's port file, waited for")
-    p.add_argument("--site-id", required=True)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sync-every", type=int, default=3)
+    p = site_parser()
     p.add_argument("--fsdp", action="store_true")
-    p.add_argument("--out", required=True)
     args = p.parse_args()
     faulthandler.dump_traceback_later(120, exit=True)  # a rank waiting for ever says where, and ends
 

@@ -20,7 +20,6 @@ global step the Trainer stopped at and the round count.
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import gc
 import json
@@ -29,7 +28,7 @@ import os
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from site_args import coordinator_address
+from site_args import coordinator_address, site_parser
 
 from diloco.model import build_model, lm_loss, model_config
 from diloco.outer import params_sha256
@@ -89,14 +88,8 @@ class Probe(pl.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--coordinator", help="HOST:PORT")
-    p.add_argument("--port-file", help="else: the coordinator's port file, waited for")
-    p.add_argument("--site-id", required=True)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sync-every", type=int, default=3)
+    p = site_parser()
     p.add_argument("--strategy", default="auto", choices=["auto", "ddp", "model_parallel"])
-    p.add_argument("--out", required=True)
     args = p.parse_args()
     faulthandler.dump_traceback_later(120, exit=True)  # a rank waiting for ever says where, and ends
 

@@ -1,7 +1,9 @@
-"""What the tests' site scripts (tests/*_ranks_site.py) share: where the coordinator is."""
+"""What the tests' site scripts (tests/*_ranks_site.py) share: their common arguments and where
+the coordinator is."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -22,3 +24,15 @@ def coordinator_address(given: str | None, port_file: str | None) -> str:
     with open(port_file) as f:
         where = json.load(f)
     return f"{where.get('host') or '127.0.0.1'}:{where['port']}"
+
+
+def site_parser() -> argparse.ArgumentParser:
+    """The arguments every site script takes; each adds its own."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--coordinator", help="HOST:PORT")
+    p.add_argument("--port-file", help="else: the coordinator's port file, waited for")
+    p.add_argument("--site-id", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sync-every", type=int, default=3)
+    p.add_argument("--out", required=True)
+    return p

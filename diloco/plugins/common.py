@@ -6,9 +6,10 @@ from typing import Any
 
 from torch import nn
 
-from diloco.api import DiLoCo, check_site_args, check_sync_args
+from diloco.api import DiLoCo
 from diloco.codec import CodecConfig
 from diloco.security.config import SecurityConfig
+from diloco.site.arguments import check_site_args, check_sync_args
 from diloco.site.layouts.base import see_through
 
 

@@ -35,8 +35,9 @@ try:
 except ImportError as e:  # the optional extra is missing (torchtitan, or one of the packages it imports)
     raise ImportError(f"diloco.plugins.torchtitan needs torchtitan and its dependencies: pip install diloco[torchtitan] ({e})") from e
 
-from diloco.api import DiLoCo, check_site_args, check_sync_args
+from diloco.api import DiLoCo
 from diloco.security.config import SecurityConfig
+from diloco.site.arguments import check_site_args, check_sync_args
 
 __all__ = ["DiLoCoSiteConfig", "DiLoCoTrainer", "ModelParts", "counts_tokens", "llama3_debugmodel_diloco", "site_config", "site_model"]
 

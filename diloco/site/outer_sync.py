@@ -126,18 +126,8 @@ class OuterSync:
         info = self.layout.from_leader(self._join)
         if info.upload_init:
             # θ₀ is installed once every rank's part has arrived: no rank pulls before the others
-            # have sent theirs (a rank done first was refused "θ₀ is not set yet"), and a rank
-            # whose part failed makes every rank raise, none wait.
-            error: Exception | None = None
-            try:
-                self._upload_init()
-            except Exception as e:
-                error = e
-            failed = [f"rank {r}: {why}" for r, why in enumerate(self.layout.gather_objects(None if error is None else str(error))) if why]
-            if error is not None:
-                raise error
-            if failed:
-                raise RuntimeError(f"site {self.site_id}: θ₀ was not sent: " + "; ".join(failed))
+            # have sent theirs, and a rank whose part failed makes every rank raise, none wait.
+            self.layout.on_every_rank(self._upload_init, f"site {self.site_id}: θ₀ was not sent")
         self.total_rounds = info.total_rounds
         self.eval_every = info.eval_every
         self._configure(info)

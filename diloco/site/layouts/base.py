@@ -118,6 +118,12 @@ class ParallelModel:
     def barrier(self) -> None:
         pass
 
+    def on_every_rank(self, fn: Callable[[], None], what: str) -> None:
+        """``fn()`` on every rank, then a barrier that also carries failures: a rank whose
+        ``fn`` raised raises that, the others a RuntimeError ``what: rank R: ...`` (every rank
+        must call it), so no rank goes on, or waits, without the others."""
+        fn()
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (every rank must call it)."""
         return [obj]
@@ -169,6 +175,18 @@ class DistributedModel(ParallelModel):
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def on_every_rank(self, fn: Callable[[], None], what: str) -> None:
+        error: Exception | None = None
+        try:
+            fn()
+        except Exception as e:
+            error = e
+        failed = [f"rank {r}: {why}" for r, why in enumerate(self.gather_objects(None if error is None else str(error))) if why]
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"{what}: " + "; ".join(failed))
 
     def from_leader(self, fn: Callable[[], T]) -> T:
         result: list[Any] = [None]
