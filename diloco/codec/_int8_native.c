@@ -13,6 +13,17 @@
  *     Writes code * scale of each of len(out) codes at payload[offset + 4 * n_blocks:] into
  *     the writable float32 buffer out; the scales sit at payload[offset:]. The caller has
  *     checked the header, the length and the scales.
+ *
+ * The coordinator's fused intake (diloco/wire/held.py): a push's payloads are kept as they
+ * arrived and added into the round's float64 sum without a float32 copy in between.
+ * accumulate(payload, offset, block, n, acc, alpha) -> None
+ *     acc[i] += (double)(code_i * scale) * alpha for the n int8 codes laid out as decode's:
+ *     the value decode gives, widened and scaled in float64 (no fused multiply-add, so the
+ *     same bits on every machine). acc: a writable float64 buffer of n values.
+ * accumulate_f32(payload, acc, alpha) -> None
+ *     acc[i] += (double)x_i * alpha for the little-endian float32 values of payload.
+ * finite_f32(payload) -> bool
+ *     Every float32 value of payload is finite (its exponent bits are not all ones).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -127,9 +138,92 @@ done:
     return result;
 }
 
+static PyObject *accumulate(PyObject *self, PyObject *args) {
+    Py_buffer pb, ab;
+    Py_ssize_t offset, block, n;
+    double alpha;
+    if (!PyArg_ParseTuple(args, "y*nnnw*d", &pb, &offset, &block, &n, &ab, &alpha)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_blocks = block > 0 ? (n + block - 1) / block : 0;
+    if (block < 1 || n < 0 || ab.len != 8 * n || offset < 0 || pb.len != offset + 4 * n_blocks + n) {
+        PyErr_SetString(PyExc_ValueError, "int8 native accumulate: payload length, block or acc do not agree");
+        goto done;
+    }
+    double *acc = (double *)ab.buf;
+    const char *p = (const char *)pb.buf + offset;
+    const int8_t *codes = (const int8_t *)(p + 4 * n_blocks);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        float s;
+        memcpy(&s, p + 4 * b, 4);
+        Py_ssize_t start = b * block, end = n - start < block ? n : start + block;
+        for (Py_ssize_t i = start; i < end; i++) {
+            float v = (float)codes[i] * s;
+            acc[i] += (double)v * alpha;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&ab);
+    return result;
+}
+
+static PyObject *accumulate_f32(PyObject *self, PyObject *args) {
+    Py_buffer pb, ab;
+    double alpha;
+    if (!PyArg_ParseTuple(args, "y*w*d", &pb, &ab, &alpha)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = pb.len / 4;
+    if (pb.len % 4 || ab.len != 8 * n) {
+        PyErr_SetString(PyExc_ValueError, "native accumulate_f32: payload and acc do not agree");
+        goto done;
+    }
+    double *acc = (double *)ab.buf;
+    const char *p = (const char *)pb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (((uintptr_t)p & 3) == 0) {
+        const float *x = (const float *)p;
+        for (Py_ssize_t i = 0; i < n; i++) acc[i] += (double)x[i] * alpha;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float v;
+            memcpy(&v, p + 4 * i, 4);
+            acc[i] += (double)v * alpha;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&ab);
+    return result;
+}
+
+static PyObject *finite_f32(PyObject *self, PyObject *args) {
+    Py_buffer pb;
+    if (!PyArg_ParseTuple(args, "y*", &pb)) return NULL;
+    Py_ssize_t n = pb.len / 4;
+    const unsigned char *p = (const unsigned char *)pb.buf;
+    uint32_t bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, p + 4 * i, 4);
+        bad |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&pb);
+    return PyBool_FromLong(!bad);
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode (see the file's comment)"},
     {"decode", decode, METH_VARARGS, "int8 blockwise decode (see the file's comment)"},
+    {"accumulate", accumulate, METH_VARARGS, "int8 blockwise decode added into float64 (see the file's comment)"},
+    {"accumulate_f32", accumulate_f32, METH_VARARGS, "float32 values added into float64 (see the file's comment)"},
+    {"finite_f32", finite_f32, METH_VARARGS, "every float32 value is finite (see the file's comment)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,6 +9,11 @@ import torch
 
 from diloco.security.ids import quote
 
+try:  # the compiled loops (setup.py; optional): the fused intake's fp32 check and sum
+    from diloco.codec import _int8_native as _native
+except ImportError:
+    _native = None
+
 
 class CodecError(ValueError):
     """A payload that cannot be decoded as declared; the message says what disagrees."""
@@ -31,6 +36,12 @@ class Codec(Protocol):
     match numel; an encoder raises CodecError for input it cannot represent. A codec may also
     have ``decode_into(payload, numel, out)``, which writes ``decode``'s values into a
     contiguous float32 tensor ``out`` of numel elements (receivers then skip a temporary).
+    A codec may also have the fused intake's pair (diloco/wire/held.py):
+    ``check_payload(payload, numel)``, which raises CodecError wherever ``decode`` would or a
+    decoded value would not be finite, without decoding, and ``accumulate(payload, numel, out,
+    alpha)``, which adds ``alpha`` times ``decode``'s values, widened to float64, into the
+    contiguous float64 tensor ``out`` (the same sum for every order of calls that float64
+    addition gives; no float32 copy in between).
     """
 
     name: str
@@ -91,6 +102,22 @@ class Fp32Codec:
 
     def max_chunk_numel(self, chunk_bytes: int) -> int:
         return max(1, chunk_bytes // 4)
+
+    def check_payload(self, payload: bytes, numel: int) -> None:
+        """The fused intake's check (the Codec docstring): the length, and every value finite."""
+        if len(payload) != 4 * numel:
+            raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel} for {numel} elements")
+        finite = _native.finite_f32(payload) if _native is not None else bool(np.isfinite(np.frombuffer(payload, dtype="<f4")).all())
+        if not finite:
+            bad = int((~np.isfinite(np.frombuffer(payload, dtype="<f4"))).sum())
+            raise CodecError(f"non-finite values: {bad} of {numel}")
+
+    def accumulate(self, payload: bytes, numel: int, out: torch.Tensor, alpha: float) -> None:
+        """``out += alpha * values`` in float64, straight from the payload (checked already)."""
+        if _native is not None:
+            _native.accumulate_f32(payload, out.numpy(), float(alpha))
+        elif numel:
+            out.add_(torch.from_numpy(np.frombuffer(payload, dtype="<f4").copy()), alpha=alpha)
 
     def slice_payload(self, payload: bytes, numel: int, start: int, stop: int) -> bytes:
         """The payload of elements [start, stop) of this one: the same values, not re-encoded."""

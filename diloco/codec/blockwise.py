@@ -122,6 +122,11 @@ class _BlockScaled:
         return scales
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        block, scales = self._layout(payload, numel)
+        return self._dequantize(payload, block, scales, numel)
+
+    def _layout(self, payload: bytes, numel: int) -> tuple[int, np.ndarray]:
+        """The header's block size and the scales, checked: CodecError where they do not fit."""
         block = parse_header(self.name, payload, numel)
         if block == 0:
             raise CodecError(f"{self.name} payload header declares block size 0")
@@ -133,7 +138,7 @@ class _BlockScaled:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise CodecError(f"{self.name} payload has scale {scales[i]} in block {i}: scales must be finite and >= 0")
-        return self._dequantize(payload, block, scales, numel)
+        return block, scales
 
     def _dequantize(self, payload: bytes, block: int, scales: np.ndarray, numel: int) -> torch.Tensor:
         """code value x scale of every element (the payload's layout is checked already)."""
@@ -194,6 +199,28 @@ class Int8Codec(_BlockScaled):
 
     def _codes(self, ratio: torch.Tensor) -> torch.Tensor:
         return ratio.mul_(127).round_().to(torch.int8)
+
+    def check_payload(self, payload: bytes, numel: int) -> None:
+        """The fused intake's check (the Codec docstring), from the header and the scales
+        alone: a code's value |code| * scale <= 127 * scale in float32, so every value is
+        finite exactly when 127 * scale is for every block (a sender's scale near float32's
+        max would overflow)."""
+        _, scales = self._layout(payload, numel)
+        with np.errstate(over="ignore"):
+            over = ~np.isfinite(scales * np.float32(self.max_code))
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise CodecError(f"non-finite values: block {i}'s scale {scales[i]} times {self.max_code:g} overflows float32")
+
+    def accumulate(self, payload: bytes, numel: int, out: torch.Tensor, alpha: float) -> None:
+        """``out += alpha * decode(payload)`` in float64 without the float32 copy (checked
+        already by ``check_payload``): code * scale in float32 as ``decode`` gives it, then
+        widened, times alpha and added in float64."""
+        if not self.use_native:
+            out.add_(self.decode(payload, numel), alpha=alpha)
+            return
+        block = parse_header(self.name, payload, numel)
+        _native.accumulate(payload, HEADER_BYTES, block, numel, out.numpy(), float(alpha))
 
     def _fast_codes(self, x: torch.Tensor, scales: np.ndarray) -> bytes | None:
         # round(x * (1 / scale)): one multiply per value instead of a divide and a multiply.

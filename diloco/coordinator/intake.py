@@ -27,6 +27,7 @@ from diloco.outer import NormBound, NormVerdict
 from diloco.outer.robust import judged_size
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import ChunkAssembler
+from diloco.wire.held import HeldPush
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Received:
     """A push decoded into a staging buffer: its Δ (valid while the buffer is held), its payload
     bytes, its norm as the bound judges it, and how long it took."""
 
-    delta: dict[str, torch.Tensor]
+    delta: dict[str, torch.Tensor] | HeldPush
     payload_bytes: int
     size: float
     times: dict[str, float]
@@ -54,13 +55,23 @@ class Intake:
         if why is not None:
             raise CoordinatorError("invalid_argument", f"{what} rejected: {why}")
 
+    @property
+    def fused(self) -> bool:
+        """Whole pushes are kept as they came and added into the round's sum from their
+        payloads (diloco.wire.held), with no float32 staging copy: where the sum is the plain
+        weighted mean and no norm bound needs each push's values first."""
+        return self.cfg.aggregate == "mean" and not self.cfg.robust.norm_ratio
+
     @contextlib.contextmanager
     def receive(
-        self, header: PushHeader, chunks: Iterable[tuple[Chunk, torch.Tensor | None]], specs: Mapping[str, TensorSpec], check: Callable[[str], None]
-    ) -> Iterator[Received]:
+        self, header: PushHeader, chunks: Iterable[tuple[Chunk, torch.Tensor | None]], specs: Mapping[str, TensorSpec], check: Callable[[str], None],
+        whole: bool = False,
+    ) -> Iterator[Received]:  # fmt: skip
         """Decodes a whole push into a staging buffer, held while the block runs. ``chunks``:
         each with its values when they were decoded already (the parts of a sharded push);
-        ``check``: refuses a tensor name the round does not sync.
+        ``check``: refuses a tensor name the round does not sync. ``whole``: the chunks are a
+        whole push's, none decoded yet: where the intake is ``fused`` they are only checked
+        and kept (the staging buffer's slot bounds how many pushes are held at once).
 
         A buffer is taken only once the first chunk is here, and a site decodes one push at a
         time: a client that stalls holds at most one buffer, until its stream's idle deadline."""
@@ -73,17 +84,22 @@ class Intake:
             raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
         t_first = time.perf_counter()
         with self.staging.take(header.site_id) as staging:
-            assembler = ChunkAssembler(specs, out=staging)
+            assembler: ChunkAssembler | HeldPush = HeldPush(specs) if whole and self.fused else ChunkAssembler(specs, out=staging)
             try:
                 for chunk, values in itertools.chain([first] if first is not None else [], chunks):
                     check(chunk.name)
-                    assembler.add(chunk, values)
+                    if values is None:
+                        assembler.add(chunk)
+                    else:
+                        assert isinstance(assembler, ChunkAssembler)
+                        assembler.add(chunk, values)
                 delta = assembler.finish()
             except CodecError as e:
                 raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
             received = time.perf_counter()
             times = {"began_at": at, "first_chunk_s": t_first - t0, "receive_s": received - t0, "received": received}
-            yield Received(delta, assembler.payload_bytes, judged_size(delta, self.cfg.robust), times)
+            size = 0.0 if isinstance(delta, HeldPush) else judged_size(delta, self.cfg.robust)
+            yield Received(delta, assembler.payload_bytes, size, times)
 
     def judge(self, site_id: str, size: float) -> NormVerdict:
         """Under the lock: robust.norm_ratio's verdict on a push's Δ norm (a non-finite norm is

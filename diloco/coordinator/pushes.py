@@ -95,7 +95,8 @@ class Pushes:
         """Decodes a whole push (intake), then counts it into the round or merges it.
         ``sliced``: what the parts of a sharded push held (the round's record), ``parts_payload``
         their bytes."""
-        with self.intake.receive(header, chunks, self.shard.round_specs(header.round), lambda name: self.shard.check_fragment(header.round, name)) as got:
+        check = lambda name: self.shard.check_fragment(header.round, name)  # noqa: E731
+        with self.intake.receive(header, chunks, self.shard.round_specs(header.round), check, whole=sliced is None) as got:
             with self.gate.cv:
                 # The round may have moved on while we decoded; check again before touching it.
                 verdict = self._check(header)

@@ -26,6 +26,7 @@ from diloco.outer.fragments import fragment_of_round, split_fragments
 from diloco.security.ids import quote
 from diloco.types import Chunk, TensorSpec
 from diloco.wire import fingerprint
+from diloco.wire.held import HeldPush
 
 
 class Shard:
@@ -63,11 +64,17 @@ class Shard:
         """A fresh sum for round ``number``; returns the names it syncs and its fragment."""
         fragment = fragment_of_round(number, self.cfg.fragments)
         names = self.split[fragment] if len(self.split) > fragment else ()  # before θ₀ (init=site): none
-        self.acc = make_aggregate({n: self.shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust.trim)
+        # The previous round's sums are done with (its commit took their mean): reused.
+        self.acc = make_aggregate({n: self.shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust.trim, reuse=self.acc)
         return tuple(sorted(names)), fragment
 
-    def add(self, delta: Mapping[str, torch.Tensor], weight: float, scale: float | None = None) -> None:
-        """A counted push's Δ (``scale``: clipped down by it first, in place)."""
+    def add(self, delta: Mapping[str, torch.Tensor] | HeldPush, weight: float, scale: float | None = None) -> None:
+        """A counted push's Δ (``scale``: clipped down by it first, in place), as float32 values
+        or as the payloads it came in (the fused intake: Intake.fused)."""
+        if isinstance(delta, HeldPush):
+            assert scale is None and isinstance(self.acc, WeightedMean), "a held push is only taken where it is added as it came"
+            self.acc.add_with(delta.accumulate_into, weight)
+            return
         if scale is not None:
             for t in delta.values():
                 t.mul_(scale)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -41,7 +41,10 @@ class WeightedMean:
     Sums of weights are exact in any order.
     """
 
-    def __init__(self, shapes: Mapping[str, torch.Size], aggregate: str = "mean") -> None:
+    def __init__(self, shapes: Mapping[str, torch.Size], aggregate: str = "mean", reuse: WeightedMean | None = None) -> None:
+        """``reuse``: the previous round's accumulator, done with (its mean taken): its float64
+        sums are taken over and zeroed in place when they fit, rather than allocated anew (a
+        fresh allocation of that size costs the kernel's page faults and zeroing every round)."""
         if aggregate not in WEIGHTED:
             raise ValueError(f"aggregate={aggregate!r}: a weighted mean is one of {', '.join(WEIGHTED)}")
         self._shapes = dict(shapes)
@@ -52,9 +55,14 @@ class WeightedMean:
         self._weight: dict[str, torch.Tensor] | None = None
         self.total_weight = 0.0
         self.count = 0
+        self._spare: dict[str, torch.Tensor] = {}
+        if reuse is not None:
+            self._spare, reuse._sum = reuse._sum, {}
 
     def _allocate(self) -> None:
-        self._sum = {n: torch.zeros(s, dtype=torch.float64) for n, s in self._shapes.items()}
+        spare = self._spare if {n: t.shape for n, t in self._spare.items()} == self._shapes else {}
+        self._spare = {}
+        self._sum = {n: spare[n].zero_() if spare else torch.zeros(s, dtype=torch.float64) for n, s in self._shapes.items()}
         self._weight = {n: torch.zeros(s, dtype=torch.float64) for n, s in self._shapes.items()} if self._nonzero else None
 
     def add(self, delta: Mapping[str, torch.Tensor], weight: float) -> None:
@@ -68,6 +76,20 @@ class WeightedMean:
             buf.add_(delta[name], alpha=weight)
             if self._weight is not None:
                 self._weight[name].add_(delta[name] != 0, alpha=weight)
+        self.total_weight += weight
+        self.count += 1
+
+    def add_with(self, accumulate: Callable[[Mapping[str, torch.Tensor], float], None], weight: float) -> None:
+        """``add`` for a Δ that adds itself: ``accumulate(sums, weight)`` adds weight × Δ into the
+        float64 sums (the coordinator's fused intake, diloco.wire.held: no float32 copy of Δ).
+        Only for ``mean``: ``nonzero`` counts where each Δ is nonzero, which needs its values."""
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        if self._nonzero:
+            raise ValueError("aggregate=nonzero counts where each Δ is nonzero: add its values")
+        if len(self._sum) != len(self._shapes):
+            self._allocate()
+        accumulate(self._sum, weight)
         self.total_weight += weight
         self.count += 1
 

@@ -102,10 +102,31 @@ def check_update(name: str, update: Mapping[str, torch.Tensor], params: Mapping[
     return size
 
 
+_L2_BLOCK = 1 << 16  # elements widened to float64 at a time: a buffer that stays in cache
+
+
 def l2(tensors: Mapping[str, torch.Tensor]) -> float:
-    """The L2 norm over all tensors, in float64 (inf or nan when any value is)."""
-    # square_ on the float64 copy: the same values as ``** 2``, one allocation fewer.
-    return math.sqrt(sum(float(t.double().square_().sum()) for t in tensors.values()))
+    """The L2 norm over all tensors, in float64 (inf or nan when any value is).
+
+    Block by block: each block of float32 values is widened into one small float64 buffer and
+    dotted with itself, the blocks' sums added in order. One read of the values and no
+    full-size float64 copy: about 6x faster than ``t.double().square_().sum()`` on one core
+    (docs/measurements/coordinator.md), equal to it up to float64 rounding, and the same bits
+    for the same tensors on one machine."""
+    total = 0.0
+    buf: torch.Tensor | None = None
+    for t in tensors.values():
+        flat = t.detach().reshape(-1)
+        if flat.dtype == torch.float64:
+            total += float(torch.dot(flat, flat)) if flat.numel() else 0.0
+            continue
+        for i in range(0, flat.numel(), _L2_BLOCK):
+            block = flat[i : i + _L2_BLOCK]
+            if buf is None:
+                buf = torch.empty(_L2_BLOCK, dtype=torch.float64)
+            wide = buf[: block.numel()].copy_(block)
+            total += float(torch.dot(wide, wide))
+    return math.sqrt(total)
 
 
 def averaged_from(total_rounds: int, flush_rounds: int, final_average: bool, last: int = 1) -> int | None:

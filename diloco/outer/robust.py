@@ -232,11 +232,14 @@ class StackedAggregate:
         return out
 
 
-def make_aggregate(shapes: Mapping[str, torch.Size], aggregate: str, trim: float = 0.25) -> WeightedMean | StackedAggregate:
+def make_aggregate(
+    shapes: Mapping[str, torch.Size], aggregate: str, trim: float = 0.25, reuse: WeightedMean | StackedAggregate | None = None
+) -> WeightedMean | StackedAggregate:
     """The round's accumulator for the run's ``aggregate`` (diloco.outer.aggregate.AGGREGATES):
     a WeightedMean for mean and nonzero, a StackedAggregate (``trim``: trimmed_mean's share
-    cut from each end) for the robust statistics."""
+    cut from each end) for the robust statistics. ``reuse``: the previous round's, done with
+    (a WeightedMean's buffers are taken over)."""
     check_aggregate(aggregate)
     if aggregate in WEIGHTED:
-        return WeightedMean(shapes, aggregate)
+        return WeightedMean(shapes, aggregate, reuse if isinstance(reuse, WeightedMean) else None)
     return StackedAggregate(shapes, aggregate, trim)
