@@ -9,8 +9,9 @@ Kinds:
 * ``unauthenticated``: the caller's credentials are missing or wrong;
 * ``permission_denied``: the caller may not do this (a site id it holds no credentials for,
   or one this run was not configured with);
-* ``resource_exhausted``: the coordinator is busy (too many calls of this site, or every
-  staging buffer in use); retried like ``unavailable``;
+* ``resource_exhausted``: the coordinator is busy (too many calls of this site, every
+  staging buffer in use, or a push that stalled lost its buffer to another push); retried
+  like ``unavailable``;
 * ``out_of_range``: past the run's last round;
 * ``aborted``: the round closed without this push; pull θ and go on;
 * ``unavailable``: try again shortly (the coordinator is unreachable or restarting, or θ₀ is

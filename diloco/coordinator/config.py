@@ -54,6 +54,9 @@ class CoordinatorConfig:
     max_sites: int | None = None  # sites=None: how many distinct site ids may join; None: no limit
     max_tokens_per_push: int = 2**40  # the largest averaging weight one push may declare
     staging_timeout_s: float = 30.0  # a push waits this long for a staging buffer, then is told to retry (resource_exhausted)
+    # A push that has waited this long for its next chunk gives its staging buffer to a push
+    # that waits for one, and is refused (resource_exhausted) when it goes on; inf: never.
+    staging_stall_s: float = 2.0
     fragments: int = 1  # streaming DiLoCo: round r syncs fragment r mod F of the parameters (diloco.outer.fragments)
     fragment_split: str = "strided"  # how the parameters split into fragments: strided (whole layers) | balanced (equal sizes)
     # The last this many rounds are streaming's flush rounds (F − 1 with fragments): they average
@@ -98,6 +101,8 @@ class CoordinatorConfig:
             )
         if not self.staging_timeout_s > 0:
             raise ValueError(f"staging_timeout_s={self.staging_timeout_s}: must be > 0")
+        if not self.staging_stall_s > 0:
+            raise ValueError(f"staging_stall_s={self.staging_stall_s}: must be > 0")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be in 1..{MAX_CHUNK_BYTES}")
         if self.settings is not None:

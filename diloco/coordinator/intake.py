@@ -9,7 +9,6 @@ the coordinator holds its lock around the calls that read or move shared state (
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ class Intake:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
         self.bounds = HeaderBounds(total_rounds=cfg.total_rounds, max_tokens=cfg.max_tokens_per_push)
-        self.staging = StagingPool(cfg.max_concurrent_pushes, cfg.staging_timeout_s)
+        self.staging = StagingPool(cfg.max_concurrent_pushes, cfg.staging_timeout_s, cfg.staging_stall_s)
         self.parts = PartialPushes()  # parts of sharded sites' pushes, until each site's last part
         self.bound = NormBound(cfg.robust)  # robust.norm_ratio: each push's Δ norm against recent ones
         self.refusals: dict[str, int] = {}  # site -> its pushes refused by the bound, over the run
@@ -74,7 +73,9 @@ class Intake:
         and kept (the staging buffer's slot bounds how many pushes are held at once).
 
         A buffer is taken only once the first chunk is here, and a site decodes one push at a
-        time: a client that stalls holds at most one buffer, until its stream's idle deadline."""
+        time. While the push waits for its next chunk its buffer may go to a push that waits for
+        one (staging.py: after ``staging_stall_s``); it is then refused (resource_exhausted)
+        when that chunk, or the end of its stream, arrives."""
         t0, at = time.perf_counter(), time.monotonic()
         what = f"push of site {header.site_id!r} for round {header.round}"
         chunks = iter(chunks)
@@ -83,16 +84,20 @@ class Intake:
         except CodecError as e:  # a bundle that does not parse
             raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None
         t_first = time.perf_counter()
-        with self.staging.take(header.site_id) as staging:
-            assembler: ChunkAssembler | HeldPush = HeldPush(specs) if whole and self.fused else ChunkAssembler(specs, out=staging)
+        with self.staging.take(header.site_id) as lease:
+            assembler: ChunkAssembler | HeldPush = HeldPush(specs) if whole and self.fused else ChunkAssembler(specs, out=lease.buffer)
             try:
-                for chunk, values in itertools.chain([first] if first is not None else [], chunks):
+                item = first
+                while item is not None:
+                    chunk, values = item
                     check(chunk.name)
                     if values is None:
                         assembler.add(chunk)
                     else:
                         assert isinstance(assembler, ChunkAssembler)
                         assembler.add(chunk, values)
+                    with lease.idle():  # raises if the buffer went to another push meanwhile
+                        item = next(chunks, None)
                 delta = assembler.finish()
             except CodecError as e:
                 raise CoordinatorError("invalid_argument", f"{what} rejected: {e}") from None

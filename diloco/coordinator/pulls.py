@@ -50,8 +50,7 @@ class Pulls:
     def wait_round(self, site_id: str, round: int, timeout_s: float, gave_up: threading.Event | None = None) -> RoundStatus:
         """Blocks until ``round`` is committed, ``timeout_s`` passes or ``gave_up`` is set (the
         caller went away: its call was cancelled); returns the status."""
-        if not 0 <= round < self.cfg.total_rounds:
-            raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
+        self._in_run(round)
         with self.gate.cv:
             self.gate.member(site_id)
             self.gate.ready()
@@ -68,15 +67,15 @@ class Pulls:
         set, and returns None if the round is still open then (``wait_round`` and the pull in
         one call). ``early`` (with ``wait_s``): the update as soon as it is computed, while its
         checkpoint is still being written; the caller must not hand it on before
-        ``wait_durable(round)`` has returned (the gRPC server ends the stream only then)."""
+        ``wait_durable(round)`` has returned (the gRPC server ends the stream only then). A
+        round outside the run is refused (out_of_range) whether or not the call waits."""
+        self._in_run(round)
         with self.gate.cv:
             self.gate.member(site_id)
             self.gate.ready()
             self._downlink().check_want(want)
             early = early and wait_s > 0
             if wait_s > 0:
-                if not 0 <= round < self.cfg.total_rounds:
-                    raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
                 self._wait_commit(round, wait_s, gave_up, early)
                 self.gate.healthy()
                 if not self._servable(round, early):
@@ -97,6 +96,11 @@ class Pulls:
                 self.gate.cv.wait(GAVE_UP_POLL_S)
             self.gate.healthy()
             return True
+
+    def _in_run(self, round: int) -> None:
+        """Refuses (out_of_range) a round that is not one of this run's."""
+        if not 0 <= round < self.cfg.total_rounds:
+            raise CoordinatorError("out_of_range", f"round {round}: this run's rounds are 0..{self.cfg.total_rounds - 1}")
 
     def _servable(self, round: int, early: bool) -> bool:
         return self.book.servable(round, early)

@@ -82,6 +82,16 @@ def test_a_waiting_pull_is_held_until_the_commit_then_sends_the_update_at_once(s
     assert [c.payload for c in client.pull_update("b", 0, wait_s=5)] == [c.payload for c in plain]
 
 
+@pytest.mark.parametrize("wait_s", [0.0, 1.0])
+def test_a_pull_of_a_round_outside_the_run_is_refused_whether_or_not_it_waits(served, wait_s: float) -> None:
+    """Round −1 without a wait was answered "no longer kept" (not_found, which a site takes for
+    a pull of θ), a round past the end "not committed yet": both are out of the run's range."""
+    _coord, client = served
+    join(client, _theta(), "a", "b")
+    for r in (-1, -(2**40), 3, 7, 2**62):
+        _expect_refused(lambda r=r: client.pull_update("a", r, wait_s=wait_s), "out_of_range", f"round {r}", "rounds are 0..2")
+
+
 def test_a_pull_given_up_while_it_waits_changes_nothing(served) -> None:
     """A site cancels its held pull (its push failed, or came too late): the coordinator's
     handler ends when the round closes, and the round and later pulls go on as before."""

@@ -193,8 +193,11 @@ def test_a_site_gets_a_limited_number_of_calls_in_flight() -> None:
         s.close()
 
 
-def _stalled_push(address: str, site: str, release: threading.Event, first_chunk: bool = False) -> tuple[threading.Thread, list[object]]:
-    """A raw push stream that sends its header (and its first chunk) and then nothing until ``release``."""
+def _stalled_push(
+    address: str, site: str, release: threading.Event, first_chunk: bool = False, details: list[str] | None = None
+) -> tuple[threading.Thread, list[object]]:
+    """A raw push stream that sends its header (and its first chunk) and then nothing until
+    ``release``; ``out`` gets how the call ended (``details``: what a refusal said)."""
     out: list[object] = []
 
     def messages():
@@ -210,6 +213,8 @@ def _stalled_push(address: str, site: str, release: threading.Event, first_chunk
                 out.append(pb_grpc.CoordinatorStub(ch).PushDelta(messages(), timeout=30))
             except grpc.RpcError as e:
                 out.append(e.code())
+                if details is not None:
+                    details.append(e.details())
 
     t = threading.Thread(target=run)
     t.start()
@@ -236,6 +241,39 @@ def test_pushes_that_stop_sending_are_cancelled_and_free_their_staging_buffers()
             assert out == [grpc.StatusCode.CANCELLED]
         assert s.server.watch.cancelled >= 2
         assert s.push("b", 0).accepted and s.push("c", 0).accepted  # their real pushes still count
+        assert s.client.wait_round("a", 0, timeout_s=10).committed_rounds == 1
+    finally:
+        release.set()
+        s.close()
+
+
+def test_pushes_stalled_after_their_first_chunk_do_not_delay_another_sites_push() -> None:
+    """Two pushes that sent one chunk and then nothing held both staging buffers until the stream
+    idle cut (30 s): a valid push waited, past its deadline. Now a push that waits for a buffer
+    takes the one of a holder stalled for staging_stall_s, while the stalled streams are still
+    open (here the idle cut is 600 s, the wait for a buffer 120 s, the client's deadline 20 s);
+    the stalled push is refused when it goes on, and nothing of it counted."""
+    cfg = CoordinatorConfig(total_rounds=2, min_sites=3, max_concurrent_pushes=2, staging_timeout_s=120.0, staging_stall_s=0.5)
+    s = Served(cfg, limits=ServerLimits(stream_idle_s=600.0))
+    release, said = threading.Event(), []
+    try:
+        s.join("a", "b", "c")
+        stalled = [_stalled_push(s.address, site, release, first_chunk=True, details=said) for site in ("b", "c")]
+        staging = s.coord.intake.staging
+        while staging.free:  # until both hold a buffer
+            time.sleep(0.01)
+        assert s.push("a", 0).accepted
+        assert all(t.is_alive() and out == [] for t, out in stalled)  # accepted while both stalled streams are open
+        assert s.server.watch.cancelled == 0
+        release.set()  # the stalled clients end their streams
+        for t, _out in stalled:
+            t.join(10)
+        # One lost its buffer to a's push; the other kept it, and its push is incomplete.
+        assert sorted(code.name for _t, out in stalled for code in out) == ["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
+        lost = next(d for d in said if "staging buffer" in d)
+        assert "sent no chunk for" in lost and "given to another push" in lost and "nothing of this push was counted" in lost
+        assert staging.free == 2 and s.coord.committed_rounds == 0
+        assert s.push("b", 0).accepted and s.push("c", 0).accepted  # their real pushes count: nothing of the stalled ones did
         assert s.client.wait_round("a", 0, timeout_s=10).committed_rounds == 1
     finally:
         release.set()
