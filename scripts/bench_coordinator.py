@@ -55,6 +55,7 @@ import bisect
 import json
 import mmap
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -412,6 +413,7 @@ def run_config(a: argparse.Namespace, codec: str, n: int, theta: Path, deltas: l
     d = work / f"{codec}_{n}sites"
     d.mkdir(parents=True)
     sampler, seen = _run_processes(a, codec, n, theta, deltas, d)
+    shutil.rmtree(d / "checkpoints", ignore_errors=True)  # θ and momentum twice over: the disk's, not the figures'
     return _figures(a, codec, n, params, d, sampler, seen)
 
 
