@@ -99,6 +99,15 @@ def _write(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
+def save_result(out: Path | None, result: Any) -> None:
+    """The result file, its folder made (none without --out); says where it is."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write(out, result)
+    print(f"results: {out}")
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -557,10 +566,7 @@ def main() -> None:
     result["runs"] = runs
     result["summary"] = summaries
     print_table(summaries)
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        _write(a.out, result)
-        print(f"results: {a.out}")
+    save_result(a.out, result)
 
 
 if __name__ == "__main__":
