@@ -18,6 +18,14 @@ tensor), the skeleton pickled meanwhile. Loading is as safe as before: the skele
 tensor is built, and each loaded tensor owns its memory. (Tensors that shared memory when
 saved come back as separate copies.) Format 1 files (SHA-256 of the payload, a plain
 ``torch.save`` of the state) are still read.
+
+Format 3 (issue 37): format 2's layout, its checksum the SHA-256 of the CRC-32s of the 1 MiB
+segments instead of their SHA-256s. The checksum finds a torn, truncated or bit-rotted file;
+it was never a defence against tampering (whoever can write the checkpoint directory can
+write a valid file, checksum and all), and CRC-32 finds those accidents as surely, at 2.5x
+SHA-256's speed on one core (4.2 against 1.7 GB/s measured here): the coordinator writes θ,
+its momentum and its residual (12 bytes per parameter) every round, and hashing them was its
+largest CPU cost per round. Format 2 files are still read.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import re
 import struct
 import tempfile
 import threading
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +51,8 @@ import torch
 from diloco.security.ids import quote
 
 MAGIC = b"DLCK"
-VERSION = 2  # the format this build writes; it reads 1 and 2
-_READS = (1, 2)
+VERSION = 3  # the format this build writes; it reads 1, 2 and 3
+_READS = (1, 2, 3)
 _RAW_KEY = "__diloco_raw__"
 _ALIGN = 64
 _LENGTH = struct.Struct("<Q")
@@ -91,7 +100,7 @@ def save_checkpoint(directory: Path, round: int, state: dict[str, Any], keep: in
             # (hashing and writing release the GIL). Meanwhile this one adds the skeleton; the
             # header, which holds the digest, goes in front last, and one sync makes the whole
             # file durable.
-            segments = _Segments()
+            segments = _Segments(VERSION)
             segments.add(tensors)
             at = _HEADER.size + sum(len(p) for p in tensors)
             writer = _Background(lambda: (_write_pieces(fd, tensors, _HEADER.size), segments.hash_ready()))
@@ -138,12 +147,31 @@ def _scratch_file(directory: Path, final: Path) -> tuple[int, str]:
         return tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
 
 
+def _crc32(views: list[memoryview]) -> bytes:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)  # releases the GIL for buffers this large
+    return crc.to_bytes(4, "little")
+
+
+def _sha256(views: list[memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for view in views:
+        h.update(view)
+    return h.digest()
+
+
+_SEGMENT_SUMS = {2: _sha256, 3: _crc32}  # format -> each segment's checksum
+
+
 class _Segments:
     """The payload, as it is added, cut into _SEGMENT-byte segments; each complete segment
-    is hashed by whichever thread calls ``hash_ready`` (several may, at once). The digest
-    (format 2's checksum): SHA-256 over the segments' SHA-256s, in order."""
+    is checksummed by whichever thread calls ``hash_ready`` (several may, at once). The digest
+    (formats 2 and 3): SHA-256 over the segments' checksums, in order: their SHA-256s (format
+    2) or CRC-32s (format 3)."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: int) -> None:
+        self._sum = _SEGMENT_SUMS[version]
         self._segments: list[list[memoryview]] = [[]]
         self._room = _SEGMENT
         self._ready = 0  # segments complete (all but the last, until the payload's end is added)
@@ -174,19 +202,16 @@ class _Segments:
                     return
                 i, self._next = self._next, self._next + 1
                 views = self._segments[i]
-            h = hashlib.sha256()
-            for view in views:
-                h.update(view)
-            self._digests[i] = h.digest()
+            self._digests[i] = self._sum(views)
 
     def digest(self) -> bytes:
         assert self._ready == len(self._segments) and all(d is not None for d in self._digests), "every segment added and hashed first"
         return hashlib.sha256(b"".join(self._digests)).digest()  # type: ignore[arg-type]
 
 
-def _tree_digest(payload: memoryview) -> bytes:
-    """Format 2's checksum of ``payload`` (see _Segments)."""
-    segments = _Segments()
+def _tree_digest(payload: memoryview, version: int = VERSION) -> bytes:
+    """The checksum of ``payload`` in format ``version`` (2 or 3; see _Segments)."""
+    segments = _Segments(version)
     segments.add([payload], last=True)
     segments.hash_ready()
     return segments.digest()
@@ -282,10 +307,10 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     payload = memoryview(data)[_HEADER.size :]
     if len(payload) != length:
         raise CheckpointError(f"{path}: payload has {len(payload)} bytes, the header declares {length} (truncated or padded)")
-    if (hashlib.sha256(payload).digest() if version == 1 else _tree_digest(payload)) != digest:
+    if (hashlib.sha256(payload).digest() if version == 1 else _tree_digest(payload, version)) != digest:
         raise CheckpointError(f"{path}: checksum mismatch (the file is corrupt)")
     skeleton, tensors_end = payload, 0
-    if version == 2:  # the tensors, the skeleton, the skeleton's length
+    if version >= 2:  # the tensors, the skeleton, the skeleton's length
         size = _LENGTH.unpack_from(payload, len(payload) - _LENGTH.size)[0] if len(payload) >= _LENGTH.size else -1
         if not 0 <= size <= len(payload) - _LENGTH.size:
             raise CheckpointError(f"{path}: payload does not load: its skeleton's length does not fit the payload")
@@ -293,7 +318,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         skeleton = payload[tensors_end : len(payload) - _LENGTH.size]
     try:
         state = torch.load(io.BytesIO(skeleton), weights_only=True)
-        if version == 2:
+        if version >= 2:
             state = _restore_raw(state, payload[:tensors_end])
     except _BadReference as e:
         raise CheckpointError(f"{path}: payload does not load: {e}") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,8 @@ def test_a_checkpoint_round_trips_every_kind_of_state(tmp_path: Path) -> None:
     data = path.read_bytes()
     magic, version, length, digest = ck._HEADER.unpack_from(data)
     payload = data[ck._HEADER.size :]
-    assert (magic, version, length) == (ck.MAGIC, 2, len(payload))
-    segments = [hashlib.sha256(payload[i : i + (1 << 20)]).digest() for i in range(0, len(payload), 1 << 20)]
+    assert (magic, version, length) == (ck.MAGIC, 3, len(payload))
+    segments = [zlib.crc32(payload[i : i + (1 << 20)]).to_bytes(4, "little") for i in range(0, len(payload), 1 << 20)]
     assert len(segments) > 1 and hashlib.sha256(b"".join(segments)).digest() == digest
     loaded = ck.read_checkpoint(path)
     assert _same(state, loaded)
@@ -54,6 +55,21 @@ def test_a_checkpoint_round_trips_every_kind_of_state(tmp_path: Path) -> None:
     w = loaded["outer"]["params"]["p3"]
     w += 1  # each loaded tensor owns its memory
     assert torch.equal(ck.read_checkpoint(path)["outer"]["params"]["p3"], state["outer"]["params"]["p3"])
+
+
+def test_a_format_2_checkpoint_is_still_read(tmp_path: Path) -> None:
+    """Format 2 (SHA-256s of the segments) as the build before format 3 wrote it; and a flipped
+    byte in it is still found."""
+    state = _rich_state()
+    path = ck.save_checkpoint(tmp_path, 3, state)
+    payload = path.read_bytes()[ck._HEADER.size :]
+    path.write_bytes(ck._HEADER.pack(ck.MAGIC, 2, len(payload), ck._tree_digest(memoryview(payload), 2)) + payload)
+    assert _same(state, ck.read_checkpoint(path))
+    bad = bytearray(payload)
+    bad[len(bad) // 2] ^= 1
+    path.write_bytes(ck._HEADER.pack(ck.MAGIC, 2, len(payload), ck._tree_digest(memoryview(payload), 2)) + bytes(bad))
+    with pytest.raises(ck.CheckpointError, match="checksum mismatch"):
+        ck.read_checkpoint(path)
 
 
 def test_a_format_1_checkpoint_is_still_read(tmp_path: Path) -> None:
@@ -85,7 +101,7 @@ def test_a_tampered_tensor_reference_is_refused_even_with_a_good_checksum(tmp_pa
         torch.save({"w": {ck._RAW_KEY: ref}}, buf)
         skeleton = buf.getvalue()
         forged = payload[:16384] + skeleton + ck._LENGTH.pack(len(skeleton))
-        path.write_bytes(ck._HEADER.pack(ck.MAGIC, 2, len(forged), ck._tree_digest(memoryview(forged))) + forged)
+        path.write_bytes(ck._HEADER.pack(ck.MAGIC, 3, len(forged), ck._tree_digest(memoryview(forged))) + forged)
         with pytest.raises(ck.CheckpointError, match="payload does not load"):
             ck.read_checkpoint(path)
     with pytest.raises(ValueError, match="may not hold the key"):
