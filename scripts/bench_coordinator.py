@@ -35,11 +35,16 @@ the server process's CPU seconds per GB).
 
     .venv/bin/python scripts/bench_coordinator.py rates --out runs/bench_coordinator/rates.json
     .venv/bin/python scripts/bench_coordinator.py sites --out runs/bench_coordinator/sites.json
+    .venv/bin/python scripts/bench_coordinator.py intake --rounds 4 --out runs/bench_coordinator/intake.json
     .venv/bin/python scripts/bench_coordinator.py rates --params 5e6 --codecs fp32,int8 --sites 2
     .venv/bin/python scripts/bench_coordinator.py sites --params 5e6 --sites-list 1,2,4
     .venv/bin/python scripts/bench_coordinator.py rates --coordinator-pythonpath /path/to/older/checkout
 
 ``rates``: each codec of ``--codecs`` at ``--params`` (default 50M) with ``--sites`` (4).
+``intake``: the data path alone, in one process on one core, no gRPC and no commit: each push
+is the wire bytes a site sends, parsed by the server's deserializer and taken by
+``Coordinator.push`` (check, decode or keep, add); parameters per second per push, per codec,
+beside memcpy (``--coordinator-pythonpath`` picks the tree here too).
 ``sites``: ``--codec`` (int8) at ``--params`` (100M) for each N of ``--sites-list``
 (1,2,4,8,16,32). Prints a table and writes everything, per round, to ``--out`` (JSON), with
 the machine (cores, CPU model, load average at the start, torch and grpcio versions, the git
@@ -507,6 +512,64 @@ def _figures(a: argparse.Namespace, codec: str, n: int, params: int, d: Path, sa
     }  # fmt: skip
 
 
+# ---- the data path in process ------------------------------------------------------------------
+
+
+def role_intake(argv: list[str]) -> None:
+    """In this process (the tree on PYTHONPATH), one core: ``--sites`` pushes of one Δ encoded
+    with ``--codec`` into a real ``Coordinator`` whose round waits for more sites than push, so
+    no commit runs; each push is the wire bytes a site sends (one PushMessage per chunk, as
+    SerializeToString writes it), parsed by the server's own ``push_message_from_wire`` and
+    taken by ``Coordinator.push``: parse, check, decode (or keep) and add into the round's sum.
+    Prints one JSON line: the seconds of each push."""
+    import torch
+
+    from diloco.codec import get_codec
+    from diloco.coordinator import Coordinator
+    from diloco.coordinator.config import CoordinatorConfig
+    from diloco.outer import OuterConfig
+    from diloco.transport import serde
+    from diloco.transport.pb import coordinator_pb2 as pb
+    from diloco.types import JoinRequest, PushHeader
+    from diloco.wire import encode_chunks, fingerprint
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--params", type=int, required=True)
+    p.add_argument("--codec", required=True)
+    p.add_argument("--sites", type=int, required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    theta = {n: torch.randn(s, generator=g) for n, s in theta_shapes(a.params).items()}
+    delta = {n: t.mul(1e-3) for n, t in theta.items()}
+    wire = [pb.PushMessage(chunk=serde.chunk_to_proto(c)).SerializeToString() for c in encode_chunks(delta, codec=get_codec(a.codec))]
+    del delta
+    coord = Coordinator(theta, OuterConfig(), CoordinatorConfig(total_rounds=2, min_sites=a.sites + 1))
+    specs = tuple(fingerprint(theta).values())
+    sites = [f"s{i}" for i in range(a.sites + 1)]
+    for site in sites:
+        coord.join(JoinRequest(site, specs))
+    secs = []
+    for site in sites[:-1]:
+        t = time.perf_counter()
+        coord.push(PushHeader(site_id=site, round=0, tokens=1000, train_loss=1.0, inner_steps=1), (serde.push_message_from_wire(m) for m in wire))
+        secs.append(time.perf_counter() - t)
+    print(json.dumps({"push_s": secs, "payload_bytes": sum(len(m) for m in wire)}), flush=True)
+
+
+def intake_rates(a: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for codec in a.codecs.split(","):
+        cmd = [sys.executable, str(SCRIPT), "_intake", "--params", str(a.params), "--codec", codec, "--sites", str(a.warmup + a.rounds)]
+        env = {**os.environ, "PYTHONPATH": str(a.coordinator_pythonpath)}
+        got = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=a.timeout).stdout.strip().splitlines()[-1])
+        secs = got["push_s"][a.warmup :]
+        s = statistics.median(secs)
+        out.append({"codec": codec, "params": a.params, "push_s": secs, "median_s": s, "params_per_s": a.params / s, "wire_bytes": got["payload_bytes"]})
+        print(f"intake {codec}: {a.params / s / 1e6:.0f} M params/s per push (median of {len(secs)}: {s:.4f} s)", flush=True)
+    return out
+
+
 # ---- the ceilings ----------------------------------------------------------------------------
 
 
@@ -687,6 +750,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--codecs", default="fp32,int8,int4,topk2bit")
     r.add_argument("--params", type=_params, default=50_000_000, help="parameters of θ (default 50M; 5e6 for a quick run)")
     r.add_argument("--sites", type=int, default=4)
+    i = sub.add_parser("intake", parents=[common], help="the data path per push in process (parse, check, add), per codec, beside memcpy")
+    i.add_argument("--codecs", default="fp32,int8,int4,topk2bit")
+    i.add_argument("--params", type=_params, default=50_000_000, help="parameters of θ (default 50M)")
     s = sub.add_parser("sites", parents=[common], help="round time and coordinator CPU against the number of sites")
     s.add_argument("--codec", default="int8")
     s.add_argument("--params", type=_params, default=100_000_000, help="parameters of θ (default 100M)")
@@ -700,6 +766,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     a.coordinator_pythonpath = a.coordinator_pythonpath.resolve()
     if not (a.coordinator_pythonpath / "diloco" / "cli" / "coordinator.py").is_file():
         p.error(f"--coordinator-pythonpath {a.coordinator_pythonpath}: no diloco/cli/coordinator.py there")
+    if a.mode == "intake":
+        a.plan = []
+        return a
     a.plan = [(c, a.sites) for c in a.codecs.split(",") if c] if a.mode == "rates" else [(a.codec, int(x)) for x in a.sites_list.split(",") if x]
     if any(n < 1 for _, n in a.plan):
         p.error("every number of sites must be >= 1")
@@ -707,7 +776,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main() -> None:
-    roles = {"_coordinator": role_coordinator, "_site": role_site, "_grpc_server": role_grpc_server, "_grpc_client": role_grpc_client}
+    roles = {"_coordinator": role_coordinator, "_site": role_site, "_grpc_server": role_grpc_server, "_grpc_client": role_grpc_client, "_intake": role_intake}
     if len(sys.argv) > 1 and sys.argv[1] in roles:
         _die_with_parent()
         roles[sys.argv[1]](sys.argv[2:])
@@ -724,6 +793,12 @@ def main() -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
     }
     result["machine"] = machine(a)
+    if a.mode == "intake":
+        result["ceilings"] = {"memcpy": memcpy_ceiling(a.memcpy_params, a.rounds)}
+        result["intake"] = intake_rates(a)
+        print(f"memcpy: {result['ceilings']['memcpy']['params_per_s'] / 1e6:.0f} M float32/s")
+        save_result(a.out, result)
+        return
     shapes = theta_shapes(a.params)
     result["theta"] = {"params": a.params, "tensors": len(shapes), "matrices": sum(len(s) == 2 for s in shapes.values()), "width": WIDTH}
     with tempfile.TemporaryDirectory(prefix="bench_coordinator_") as tmp:
