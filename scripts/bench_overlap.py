@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.app.config import run_config_from_dict
-from diloco.plan import Plan, predict, run_utilization
+from diloco.plan import NO_COORDINATOR_CPU, Plan, predict, run_utilization
 from diloco.sim.launcher import run_simulation
 from diloco.sim.links import wan_plan
 
@@ -140,6 +140,7 @@ def plan_for(
         params=r["params"], step_s=r["step_s"], sync_every=base["sync"]["every"], bits=bits, down_bits=down_bits, fragments=sync.get("fragments", 1),
         overlap_steps=sync.get("overlap", 0), outer_mode=sync.get("mode", "blocking"), sites=base["sites"],
         bandwidth_gbit=(mbit or 1e6) / 1000, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt_ms, overhead_s=overhead_s, straggle=straggle, straggle_s=straggle_s,
+        **NO_COORDINATOR_CPU,  # overhead_s, measured, holds the coordinator's cost already
     )  # fmt: skip
     p = predict(plan)
     run = run_utilization(plan, base["rounds"], flush=sync.get("end", "flush") == "flush")

@@ -29,7 +29,7 @@ from diloco.app.config import RunConfig
 from diloco.codec import CodecConfig
 from diloco.model import build_model
 from diloco.outer.fragments import layer_of
-from diloco.plan import Plan, run_utilization
+from diloco.plan import NO_COORDINATOR_CPU, Plan, run_utilization
 from diloco.sync import FragmentEnd, FragmentSplit, Merge, Preset, SyncConfig
 
 # The planner with a 2% straggle was 1.4 to 2.3 points optimistic against every emulated run of
@@ -90,6 +90,7 @@ def choose(
         plan = Plan(
             params=params, step_s=step_s, sync_every=every, bits=up_bits, down_bits=down_bits, fragments=fragments, overlap_steps=overlap, sites=sites,
             bandwidth_gbit=gbit, coordinator_bandwidth_gbit=1e6, rtt_ms=rtt, overhead_s=OVERHEAD_S, straggle=STRAGGLE,
+            **NO_COORDINATOR_CPU,  # OVERHEAD_S is the coordinator's measured cost already
         )  # fmt: skip
         return run_utilization(plan, rounds, flush=False)
 

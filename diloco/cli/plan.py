@@ -3,6 +3,7 @@ given links, and the bandwidth 50/80/90/95/99% utilization needs (docs/plan.md).
 
     diloco-plan params=1e9 step_s=0.1 sync_every=100 bits=4 fragments=4 overlap_steps=5 sites=4 bandwidth_gbit=1 rtt_ms=100
     diloco-plan --json mode=ddp topology=allreduce sites=2 bits=16 layers=24 rtt_ms=0
+    diloco-plan params=1e10 step_s=0.8 sites=16 bits=8.25 bandwidth_gbit=25 shards=16 shard_placement=beside_sites
 
 Overrides are hydra's (conf/plan.yaml holds every key and its default); ``--json`` prints one
 JSON object instead of the table. A bad value exits with status 2 naming the field, as the
@@ -77,12 +78,45 @@ def _header(p: Plan) -> str:
     what = f"mode={p.mode} topology={topology} sites={p.sites} params={p.params:.3g}"
     if p.mode == "diloco":
         what += f" H={p.sync_every} fragments={p.fragments} overlap_steps={p.overlap_steps} outer_mode={p.outer_mode}"
+    if not p.ring and (p.shards > 1 or p.shard_placement != "hosts"):
+        what += f" shards={p.shards} shard_placement={p.shard_placement}"
     return f"diloco-plan: {what}"
+
+
+def _straggle_s(p: Plan, r: dict[str, Any]) -> float:
+    """The wait for the slowest site, per sync (the model's straggle: outside sync_s)."""
+    return p.straggle * r["step_s"] * r["steps_per_round"] / r["syncs_per_round"] + p.straggle_s
 
 
 def _link_line(p: Plan, r: dict[str, Any]) -> str:
     rate = r["rate_gbit"]
     return f"{_gbit(rate)} Gbit/s per site, set by {r['bottleneck']}; {p.rtt_ms:g} ms RTT"
+
+
+def _where(p: Plan, r: dict[str, Any]) -> str:
+    if p.shard_placement == "one_host":
+        cores = p.shards if p.coordinator_cores is None else p.coordinator_cores
+        return f"on one host ({cores} core{'s' if cores > 1 else ''})"
+    return "beside the sites" if p.shard_placement == "beside_sites" else f"on {r['coordinator_hosts']} host(s)"
+
+
+def coordinator_rows(p: Plan, r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The coordinator's shards: each one's CPU per round, a host link's bytes, what bounds a sync."""
+    hosts = "on each site's link (the site's own traffic with its shard's)" if p.shard_placement == "beside_sites" else "per coordinator host"
+    parts = {"site link": r["site_link_s"], "shard link": r["shard_link_s"], "shard CPU": r["cpu_s"]}
+    return [
+        (
+            "coordinator",
+            f"{r['shards']} shard(s) {_where(p, r)}: {r['shard_cpu_s_per_round']:.4g} CPU-s per shard per round = "
+            f"{r['shard_ingest_cpu_s_per_round']:.4g} ingest + {r['shard_commit_cpu_s_per_round']:.4g} commit + {r['shard_send_cpu_s_per_round']:.4g} send",
+        ),
+        (
+            "host link",
+            f"{_bytes(r['host_bytes_in_per_round'])} in, {_bytes(r['host_bytes_out_per_round'])} out per round {hosts}; "
+            f"{_gbit(r['host_mean_gbit'])} Gbit/s on average",
+        ),
+        ("bound by", f"{r['sync_bottleneck']}: per sync " + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))),
+    ]
 
 
 def _layer_note(p: Plan) -> str:
@@ -105,7 +139,8 @@ def table(p: Plan, r: dict[str, Any]) -> str:
         (
             "one sync",
             f"{r['sync_s']:.4g} s = {r['latency_s']:.4g} s latency + {r['transfer_s']:.4g} s transfer + {p.overhead_s:.4g} s overhead"
-            + (f" + {r['sync_s'] - r['latency_s'] - r['transfer_s'] - p.overhead_s:.4g} s waiting for the slowest site" if p.straggle else ""),
+            + ("" if p.ring else f" + {r['cpu_s']:.4g} s coordinator CPU")
+            + (f", then {_straggle_s(p, r):.4g} s waiting for the slowest site" if p.straggle or p.straggle_s else ""),
         ),
         ("hidden", f"a sync may run {r['hidden_s']:.4g} s past its step{_layer_note(p)} before a site waits"),
         (
@@ -113,14 +148,21 @@ def table(p: Plan, r: dict[str, Any]) -> str:
             f"{_bytes(r['sent_bytes_per_round'])} sent, {_bytes(r['received_bytes_per_round'])} received per site per round; {_gbit(r['mean_gbit'])} Gbit/s on average",
         ),
     ]
+    if not p.ring:
+        rows += coordinator_rows(p, r)
     lines = [_header(p)] + [f"  {k:<12} {v}" for k, v in rows]
     needed = r["bandwidth_needed_gbit"]
-    whose = "every site's link" if p.ring or p.coordinator_bandwidth_gbit is not None else "every link (the coordinator's follows the sites')"
+    if p.ring or p.coordinator_bandwidth_gbit is not None:
+        whose = "every site's link"
+    elif p.shard_placement == "beside_sites":
+        whose = "every site's link (its shard's traffic with it)"
+    else:
+        whose = "every link (the coordinator's follows the sites')"
     lines += ["", f"bandwidth needed on {whose}, everything else as above (Gbit/s):"]
     lines.append("  utilization " + "".join(f"{k + '%':>10}" for k in needed))
     lines.append("  Gbit/s      " + "".join(f"{_gbit(v):>10}" for v in needed.values()))
     if None in needed.values():
-        lines.append("  (n/a: no bandwidth reaches it: latency, overhead or the coordinator's fixed link alone keep it below)")
+        lines.append("  (n/a: no bandwidth reaches it: latency, overhead, the coordinator's CPU or its fixed link alone keep it below)")
     return "\n".join(lines)
 
 

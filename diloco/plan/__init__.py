@@ -7,6 +7,14 @@ pulling in torch, grpc or hydra.
 
 from __future__ import annotations
 
+from diloco.plan.coordinator import (
+    CODECS,
+    MEASURED_COMMIT_S_PER_PARAM,
+    MEASURED_GRPC_BYTES_PER_CPU_S,
+    MEASURED_INGEST_PARAMS_PER_S,
+    NO_COORDINATOR_CPU,
+    PLACEMENTS,
+)
 from diloco.plan.model import (
     MODES,
     OUTER_MODES,
@@ -27,9 +35,15 @@ from diloco.plan.model import (
 )
 
 __all__ = [
+    "CODECS",
+    "MEASURED_COMMIT_S_PER_PARAM",
+    "MEASURED_GRPC_BYTES_PER_CPU_S",
+    "MEASURED_INGEST_PARAMS_PER_S",
     "MODES",
+    "NO_COORDINATOR_CPU",
     "OUTER_MODES",
     "PAPER_GRID_GBIT",
+    "PLACEMENTS",
     "TARGETS",
     "TOPOLOGIES",
     "Plan",

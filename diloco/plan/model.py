@@ -9,6 +9,8 @@ Time origin of one sync: the end of the inner step whose result it carries. A sy
 pieces (one piece, or one per layer when its all-reduce overlaps the backward pass), each with
 the moment it may start, its share of the parameters and the moment the site needs it back;
 the link carries the pieces one after another, and the site stalls by the worst lateness.
+With a coordinator, a sync also waits for the coordinator's CPU (ingesting the N pushes,
+committing, sending the N updates), per shard, the shards working in parallel.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from diloco.plan.coordinator import (
+    CODECS,
+    MEASURED_COMMIT_S_PER_PARAM,
+    MEASURED_GRPC_BYTES_PER_CPU_S,
+    PLACEMENTS,
+    coordinator_problem,
+    shards,
+)
 
 MODES = ("diloco", "ddp")
 TOPOLOGIES = ("coordinator", "allreduce")
@@ -54,7 +65,7 @@ class Plan:
     bandwidth_gbit: float = 1.0  # each site's link, Gbit/s each way
     coordinator_bandwidth_gbit: float | None = None  # the coordinator's link; None: the same as a site's
     rtt_ms: float = 100.0  # round-trip time between a site and the coordinator (allreduce: neighbours)
-    overhead_s: float = 0.0  # fixed seconds per sync: encode, the coordinator's commit, decode
+    overhead_s: float = 0.0  # fixed seconds per sync besides the coordinator's CPU model: the sites' encode and decode
     # How much longer the slowest site takes over the steps between two syncs than the average
     # site, as a fraction (0.02: 2%): each sync waits that long for the slowest site's push.
     # 0: identical sites arriving together.
@@ -69,8 +80,22 @@ class Plan:
     tokens_per_step: float | None = None  # step_s=None: tokens one site processes per inner step
     site_tflops: float | None = None  # step_s=None: one site's peak TFLOP/s (all its accelerators)
     mfu: float = 0.4  # step_s=None: model FLOPs utilization
+    # The coordinator (topology=coordinator): S shards, each a process serving a balanced 1/S of
+    # the parameters, placed on hosts of their own, on one host, or one beside each site.
+    shards: int = 1
+    shard_placement: str = "hosts"  # hosts | one_host | beside_sites (S = N)
+    coordinator_cores: int | None = None  # one_host: the host's cores for its S processes; None: one a shard
+    # Its CPU: one shard process on one core (diloco.plan.coordinator). Ingest, the decode and add
+    # into the round's sum once gRPC has the bytes, in parameters per second: one number for the
+    # run's codec, or {codec: rate}; None: MEASURED_INGEST_PARAMS_PER_S. inf: no cost.
+    ingest_params_per_s: float | dict[str, float] | None = None
+    grpc_bytes_per_cpu_s: float = MEASURED_GRPC_BYTES_PER_CPU_S  # bytes received or sent per CPU-second (inf: no cost)
+    commit_s_per_param: float = MEASURED_COMMIT_S_PER_PARAM  # CPU-s per parameter of a shard's range per commit
+    codec: str | None = None  # the uplink codec, which picks ingest_params_per_s's rate; None: the one bits names
 
     def __post_init__(self) -> None:
+        if isinstance(self.ingest_params_per_s, Mapping):  # a copy of its own: a caller's later change does not reach it
+            object.__setattr__(self, "ingest_params_per_s", dict(self.ingest_params_per_s))
         why = plan_problem(self)
         if why is not None:
             raise PlanError(why)
@@ -120,12 +145,12 @@ class Prediction:
     round_s: float  # wall time of a round: compute_s + stall_s
     compute_s: float  # H x step_s
     stall_s: float  # time per round the site waits for syncs
-    sync_s: float  # one sync (one fragment) alone: latency + overhead + transfer
+    sync_s: float  # one sync (one fragment) alone: latency + overhead + transfer + the coordinator's CPU
     hidden_s: float  # how long past its step's end a sync may run before the site waits (layer by layer: plus the backward pass)
     step_s: float
     steps_per_round: int
     syncs_per_round: int
-    latency_s: float  # per sync: round trips (coordinator: 2 RTT; ring: (N-1) RTT)
+    latency_s: float  # per sync: round trips (coordinator: 1 RTT; ring: (N-1) RTT)
     transfer_s: float  # per sync: bytes over the per-site rate
     payload_bytes_up: float  # per sync: what one site's encoded Δ (one fragment) weighs
     payload_bytes_down: float  # per sync: the update a site receives
@@ -134,6 +159,21 @@ class Prediction:
     rate_gbit: float  # the per-site rate the transfers get
     mean_gbit: float  # the busier direction's bytes per round / round_s: a site link's average use
     bottleneck: str  # what sets rate_gbit
+    # The coordinator (topology=coordinator; a ring has none: zeros). Per sync: the parts of
+    # sync_s = latency_s + max(site_link_s, shard_link_s) + overhead + cpu_s (+ the straggle).
+    cpu_s: float  # the shards' CPU (ingest, commit, send), in parallel: wall seconds
+    site_link_s: float  # a site's link alone, at its full rate
+    shard_link_s: float  # a coordinator host's link alone, carrying its shards' traffic with every site
+    sync_bottleneck: str  # the largest of the three: site link | shard link | shard CPU
+    shards: int  # S
+    coordinator_hosts: int  # hosts: S; one_host: 1; beside_sites: the N sites' hosts
+    shard_cpu_s_per_round: float  # one shard process's CPU-seconds per round: the three below
+    shard_ingest_cpu_s_per_round: float  # N pushes of its range: gRPC receive + decode and sum
+    shard_commit_cpu_s_per_round: float  # its range's commit: outer step, downlink encoding, hash, checkpoint
+    shard_send_cpu_s_per_round: float  # N updates of its range through gRPC
+    host_bytes_in_per_round: float  # one coordinator host's link (beside_sites: a site's, its own traffic included)
+    host_bytes_out_per_round: float
+    host_mean_gbit: float  # the busier direction / round_s: what that link must sustain for the round
 
 
 # ---- validation --------------------------------------------------------------------------
@@ -196,7 +236,25 @@ def _field_problems(p: Plan) -> str | None:
         None if _is_number(p.mfu) and 0 < p.mfu <= 1 else f"mfu={p.mfu!r}: must be a number in (0, 1]",
         None if p.tokens_per_step is None else _positive("tokens_per_step", p.tokens_per_step),
         None if p.site_tflops is None else _positive("site_tflops", p.site_tflops),
+        _integer("shards", p.shards, 1),
+        _choice("shard_placement", p.shard_placement, PLACEMENTS),
+        None if p.coordinator_cores is None else _integer("coordinator_cores", p.coordinator_cores, 1),
+        None if p.codec is None else _choice("codec", p.codec, CODECS),
+        _ingest_problem(p.ingest_params_per_s),
+        _positive("grpc_bytes_per_cpu_s", p.grpc_bytes_per_cpu_s, finite=False),
+        _non_negative("commit_s_per_param", p.commit_s_per_param),
     )
+
+
+def _ingest_problem(v: object) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        return _positive("ingest_params_per_s", v, finite=False)
+    unknown = sorted(str(k) for k in v if k not in CODECS)
+    if unknown:
+        return f"ingest_params_per_s: unknown codec(s) {', '.join(unknown)} (known: {', '.join(CODECS)})"
+    return _first(*(_positive(f"ingest_params_per_s.{k}", r, finite=False) for k, r in v.items()))
 
 
 def _compute_problem(p: Plan) -> str | None:
@@ -230,7 +288,7 @@ def _schedule_problem(p: Plan) -> str | None:
 
 def plan_problem(p: Plan) -> str | None:
     """What makes ``p`` unusable, naming the field; None when it is sound."""
-    return _first(_field_problems(p), _compute_problem(p), _schedule_problem(p))
+    return _first(_field_problems(p), _compute_problem(p), _schedule_problem(p), coordinator_problem(p))
 
 
 def plan_from_mapping(values: Mapping[str, Any]) -> Plan:
@@ -245,11 +303,21 @@ def plan_from_mapping(values: Mapping[str, Any]) -> Plan:
 # ---- the time model ----------------------------------------------------------------------
 
 
+def _down_bits(p: Plan) -> float:
+    return float(p.bits if p.down_bits is None else p.down_bits)
+
+
 @dataclass(frozen=True)
 class _Link:
-    """What one sync costs on a site's link: seconds per parameter carried, and the fixed part."""
+    """What one sync costs on a site's link and at the coordinator: seconds per parameter
+    carried, and the fixed part."""
 
-    s_per_param: float  # link seconds per parameter of the sync (both directions)
+    s_per_param: float  # link seconds per parameter of the sync (both directions): the slower of the site's and the host's links
+    push_s_per_param: float  # of those, the push leg's
+    site_s_per_param: float  # the site's link alone
+    host_s_per_param: float  # a coordinator host's link alone
+    cpu_s_per_param: float  # the coordinator's CPU, wall seconds (ingest, commit, send)
+    cpu_push_s_per_param: float  # of it, until the commit (ingest and commit)
     latency_s: float
     overhead_s: float
     straggle_s: float  # per sync, the wait for the slowest site's push: never hidden (see _stall)
@@ -263,32 +331,65 @@ class _Link:
         return self.latency_s + self.overhead_s
 
 
-def _down_bits(p: Plan) -> float:
-    return float(p.bits if p.down_bits is None else p.down_bits)
+def _per_param(bits: float, gbit: float) -> float:
+    return 0.0 if math.isinf(gbit) else bits / (gbit * 1e9)
 
 
 def _link(p: Plan) -> _Link:
-    """Coordinator: every site pushes to and pulls from one coordinator whose link the N sites
-    share, push then pull, 1 RTT (the pull goes out behind the push and is held until the
-    commit: the push's last byte takes half an RTT to arrive, the update's first half an RTT back). Ring all-reduce: each site sends and receives (N-1)/N of the
+    """Coordinator: every site pushes to and pulls from the coordinator's S shards, push then
+    pull, 1 RTT (the pull goes out behind the push and is held until the commit: the push's last
+    byte takes half an RTT to arrive, the update's first half an RTT back); a site's rate is its
+    own link's or its share of a coordinator host's, whichever is less; the shards' CPU follows
+    (diloco.plan.coordinator). Ring all-reduce: each site sends and receives (N-1)/N of the
     payload per direction (reduce-scatter at the uplink's bits, all-gather at the downlink's)
     over 2(N-1) hops of half an RTT each."""
-    n, rtt = p.sites, p.rtt_ms / 1000.0
+    n, rtt, b = p.sites, p.rtt_ms / 1000.0, p.bandwidth_gbit
+    up, down = float(p.bits), _down_bits(p)
     if p.ring:
         # Full duplex: a site receives as much as it sends, at the same time.
-        bits = (n - 1) / n * (p.bits + _down_bits(p))
-        sent = received = bits
-        rate, latency, neck = p.bandwidth_gbit, (n - 1) * rtt, "a ring all-reduce over the site links"
+        sent = received = push = link_bits = site_bits = (n - 1) / n * (up + down)
+        rate, latency, neck = b, (n - 1) * rtt, "a ring all-reduce over the site links"
+        host_bits, host_gbit = 0.0, math.inf
+    elif p.shard_placement == "beside_sites":
+        # Full duplex too: the site's push to the other N-1 shards goes out while the other
+        # sites' pushes to its shard come in; then the updates, the same way.
+        sent = received = link_bits = site_bits = host_bits = (n - 1) / n * (up + down)
+        push, rate, latency, host_gbit = (n - 1) / n * up, b, rtt, b
+        neck = "the site's own link, which the shard beside it shares"
     else:
-        # Push, then pull: the two legs follow each other.
-        coord = p.bandwidth_gbit if p.coordinator_bandwidth_gbit is None else p.coordinator_bandwidth_gbit
-        sent, received = float(p.bits), _down_bits(p)
-        bits = sent + received
-        rate, latency = min(p.bandwidth_gbit, coord / n), rtt
-        neck = "the site's own link" if p.bandwidth_gbit <= coord / n else f"the coordinator's link shared by {n} sites"
-    s_per_param = 0.0 if math.isinf(rate) else bits / (rate * 1e9)
+        # Push, then pull: the two legs follow each other. A host's link carries, per site,
+        # its shards' share of the model: 1/S of it on a shard host of its own, all of it on one host.
+        host_gbit = b if p.coordinator_bandwidth_gbit is None else p.coordinator_bandwidth_gbit
+        sites_per_link = n / p.shards if p.shard_placement == "hosts" else float(n)
+        sent, received = up, down
+        link_bits, site_bits, host_bits = up + down, up + down, sites_per_link * (up + down)
+        rate, latency = min(b, host_gbit / sites_per_link), rtt
+        push = up
+        if b <= host_gbit / sites_per_link:
+            neck = "the site's own link"
+        elif p.shards == 1:
+            neck = f"the coordinator's link shared by {n} sites"
+        elif p.shard_placement == "hosts":
+            neck = f"each shard host's link, shared by {n} sites for 1/{p.shards} of the model"
+        else:
+            neck = f"the coordinator host's link shared by {n} sites ({p.shards} shards)"
+    sh = shards(p)
     straggle_s = p.straggle * p.compute_step_s * p.steps_per_round / p.syncs_per_round + p.straggle_s
-    return _Link(s_per_param, latency, float(p.overhead_s), straggle_s, rate, neck, sent, received)
+    return _Link(
+        s_per_param=_per_param(link_bits, rate),
+        push_s_per_param=_per_param(push, rate),
+        site_s_per_param=_per_param(site_bits, b),
+        host_s_per_param=_per_param(host_bits, host_gbit),
+        cpu_s_per_param=sh.cpu * sh.wall_per_cpu_s,
+        cpu_push_s_per_param=(sh.ingest_cpu + sh.commit_cpu) * sh.wall_per_cpu_s,
+        latency_s=latency,
+        overhead_s=float(p.overhead_s),
+        straggle_s=straggle_s,
+        rate_gbit=rate,
+        bottleneck=neck,
+        sent_bits_per_param=sent,
+        received_bits_per_param=received,
+    )
 
 
 def _fragment_layers(p: Plan, fragment: int) -> range:
@@ -314,12 +415,14 @@ def _pieces(p: Plan, fragment: int) -> list[tuple[float, float, float]]:
 def _stall(pieces: list[tuple[float, float, float]], params: float, link: _Link) -> float:
     """The site's wait for one sync: its pieces cross the link one at a time in the order they
     become ready, each then pays the fixed latency and overhead; the wait is the worst lateness.
-    Plus the straggle: a site faster than the slowest gets ahead of it by that much per sync
-    interval, and any slack (τ steps, a whole phase) is used up after a few intervals, so in
-    the steady state every sync waits for it, whatever the overlap."""
+    A coordinator's CPU adds to the link's time: the model counts no overlap between the two
+    (docs/plan.md, "What it leaves out"). Plus the straggle: a site faster than the slowest
+    gets ahead of it by that much per sync interval, and any slack (τ steps, a whole phase) is
+    used up after a few intervals, so in the steady state every sync waits for it, whatever
+    the overlap."""
     free, worst = -math.inf, -math.inf
     for ready, share, needed in sorted(pieces):
-        free = max(ready, free) + share * params * link.s_per_param
+        free = max(ready, free) + share * params * (link.s_per_param + link.cpu_s_per_param)
         worst = max(worst, free + link.fixed_s - needed)
     return max(0.0, worst) + link.straggle_s
 
@@ -334,14 +437,18 @@ def predict(p: Plan) -> Prediction:
     round_s = compute + stall
     share = 1.0 / p.syncs_per_round
     transfer = share * p.params * link.s_per_param
+    cpu = share * p.params * link.cpu_s_per_param
     sent_bytes = p.params * link.sent_bits_per_param / 8.0
     received_bytes = p.params * link.received_bits_per_param / 8.0
+    sh = shards(p)
+    host_in, host_out = p.params * sh.host_in_bits / 8.0, p.params * sh.host_out_bits / 8.0
+    parts = {"site link": link.site_s_per_param, "shard link": link.host_s_per_param, "shard CPU": link.cpu_s_per_param}
     return Prediction(
         utilization=compute / round_s,
         round_s=round_s,
         compute_s=compute,
         stall_s=stall,
-        sync_s=link.fixed_s + transfer,
+        sync_s=link.fixed_s + transfer + cpu,
         hidden_s=p.window_steps * step,
         step_s=step,
         steps_per_round=p.steps_per_round,
@@ -355,6 +462,19 @@ def predict(p: Plan) -> Prediction:
         rate_gbit=link.rate_gbit,
         mean_gbit=max(sent_bytes, received_bytes) * 8.0 / round_s / 1e9,
         bottleneck=link.bottleneck,
+        cpu_s=cpu,
+        site_link_s=share * p.params * link.site_s_per_param,
+        shard_link_s=share * p.params * link.host_s_per_param,
+        sync_bottleneck=max(parts, key=lambda k: parts[k]),  # a tie goes to the first
+        shards=p.shards if not p.ring else 0,
+        coordinator_hosts=sh.hosts,
+        shard_cpu_s_per_round=p.params * sh.cpu,
+        shard_ingest_cpu_s_per_round=p.params * sh.ingest_cpu,
+        shard_commit_cpu_s_per_round=p.params * sh.commit_cpu,
+        shard_send_cpu_s_per_round=p.params * sh.send_cpu,
+        host_bytes_in_per_round=host_in,
+        host_bytes_out_per_round=host_out,
+        host_mean_gbit=max(host_in, host_out) * 8.0 / round_s / 1e9,
     )
 
 
@@ -384,10 +504,11 @@ def run_utilization(p: Plan, rounds: int, *, tail: bool = True, flush: bool = Tr
 
 
 def _push_leg(p: Plan) -> float:
-    """One fragment's push until its round is committed: its bytes up, its last byte's way there
-    and the commit's notice back (one RTT), the sync's fixed cost, and the wait for the slowest site."""
+    """One fragment's push until its round is committed: its bytes up, the coordinator's ingest
+    and commit, its last byte's way there and the commit's notice back (one RTT), the sync's
+    fixed cost, and the wait for the slowest site."""
     link = _link(p)
-    up = 0.0 if math.isinf(link.rate_gbit) else p.params / p.syncs_per_round * link.sent_bits_per_param / (link.rate_gbit * 1e9)
+    up = p.params / p.syncs_per_round * (link.push_s_per_param + link.cpu_push_s_per_param)
     return up + link.latency_s + link.overhead_s + link.straggle_s
 
 
@@ -407,9 +528,10 @@ def _utilization_at(p: Plan, gbit: float) -> float:
 
 def bandwidth_needed(p: Plan, target: float) -> float | None:
     """The smallest site bandwidth (Gbit/s) at which ``p`` reaches utilization ``target``,
-    everything else fixed; None when no bandwidth does (latency, overhead or a fixed coordinator
-    link alone keep it below), 0.0 when it needs none. Utilization only grows with bandwidth, so
-    bracketing by doubling and then bisecting on a log scale finds it to 1e-12 relative."""
+    everything else fixed; None when no bandwidth does (latency, overhead, the coordinator's CPU
+    or a fixed coordinator link alone keep it below), 0.0 when it needs none. Utilization only
+    grows with bandwidth, so bracketing by doubling and then bisecting on a log scale finds it
+    to 1e-12 relative."""
     _check_target(target)
 
     def meets(gbit: float) -> bool:
@@ -474,4 +596,6 @@ def plan_report(p: Plan, targets: tuple[float, ...] = TARGETS) -> dict[str, Any]
     out: dict[str, Any] = {k: _finite_or_none(v) for k, v in vars(predict(p)).items()}
     out["bandwidth_needed_gbit"] = bandwidth_table(p, targets)
     out["plan"] = {f.name: _finite_or_none(getattr(p, f.name)) for f in fields(Plan)}
+    if isinstance(p.ingest_params_per_s, Mapping):
+        out["plan"]["ingest_params_per_s"] = {k: _finite_or_none(v) for k, v in p.ingest_params_per_s.items()}
     return out

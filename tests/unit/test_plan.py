@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from diloco.plan.coordinator import MEASURED_COMMIT_S_PER_PARAM, MEASURED_GRPC_BYTES_PER_CPU_S, NO_COORDINATOR_CPU
 from diloco.plan.model import (
     PAPER_GRID_GBIT,
     TARGETS,
@@ -26,8 +27,18 @@ from diloco.plan.model import (
 # A coordinator run small enough to follow by hand: 1e8 parameters at 8 bits each way, 2 sites
 # on 1 Gbit/s links to a 10 Gbit/s coordinator (5 Gbit/s per site: the sites' links bind), 100 ms
 # RTT, 0.3 s of overhead. One whole sync: 0.1 s latency (one RTT: the pull goes out behind the
-# push) + 1.6e9 bits / 1e9 + 0.3 s = 2.0 s.
-BASE = Plan(params=1e8, step_s=0.1, sync_every=100, bits=8, sites=2, bandwidth_gbit=1.0, coordinator_bandwidth_gbit=10.0, rtt_ms=100.0, overhead_s=0.3)
+# push) + 1.6e9 bits / 1e9 + 0.3 s = 2.0 s. The links alone: its coordinator costs no CPU, so that
+# the hand-computed link model below stays as it was; CPU (after it) prices the coordinator too.
+BASE = Plan(
+    params=1e8, step_s=0.1, sync_every=100, bits=8, sites=2, bandwidth_gbit=1.0, coordinator_bandwidth_gbit=10.0, rtt_ms=100.0, overhead_s=0.3,
+    **NO_COORDINATOR_CPU,  # type: ignore[arg-type]
+)  # fmt: skip
+# BASE with the coordinator's measured CPU (the defaults): per round, one core ingests 2 pushes of
+# 1e8 int8 parameters (2e8 bytes through gRPC at 1.4e9 per CPU-second, 2e8 parameters summed at
+# 1e9 a second: 0.343 s), commits 1e8 parameters (1.5e-8 s each: 1.5 s) and sends 2 updates
+# (0.143 s): 1.986 s.
+CPU = replace(BASE, ingest_params_per_s=None, grpc_bytes_per_cpu_s=MEASURED_GRPC_BYTES_PER_CPU_S, commit_s_per_param=MEASURED_COMMIT_S_PER_PARAM)
+CPU_S = 2e8 / 1.4e9 + 2e8 / 1e9 + 1e8 * 1.5e-8 + 2e8 / 1.4e9
 
 
 # ---- hand-computed rounds ----------------------------------------------------------------
@@ -178,6 +189,118 @@ def test_infinite_bandwidth_leaves_only_latency_and_overhead() -> None:
     assert plan_report(replace(BASE, bandwidth_gbit=math.inf, coordinator_bandwidth_gbit=None))["rate_gbit"] is None  # no Infinity in JSON
 
 
+# ---- the coordinator's CPU and shards -------------------------------------------------------
+
+
+def test_one_shard_is_the_link_model_plus_the_coordinators_cpu() -> None:
+    links, r = predict(BASE), predict(CPU)
+    assert r.cpu_s == pytest.approx(CPU_S) and CPU_S == pytest.approx(1.9857, abs=1e-4)
+    assert r.transfer_s == links.transfer_s and r.latency_s == links.latency_s and r.bottleneck == links.bottleneck
+    assert r.sync_s == pytest.approx(links.sync_s + CPU_S)
+    assert r.stall_s == pytest.approx(links.stall_s + CPU_S) and r.round_s == pytest.approx(12.0 + CPU_S)
+    assert r.shards == r.coordinator_hosts == 1
+    assert r.shard_ingest_cpu_s_per_round == pytest.approx(2e8 / 1.4e9 + 2e8 / 1e9)
+    assert r.shard_commit_cpu_s_per_round == pytest.approx(1.5)
+    assert r.shard_send_cpu_s_per_round == pytest.approx(2e8 / 1.4e9)
+    assert r.shard_cpu_s_per_round == pytest.approx(CPU_S)
+    # The coordinator's host takes both sites' pushes and sends both updates: 2e8 bytes each way.
+    assert r.host_bytes_in_per_round == r.host_bytes_out_per_round == pytest.approx(2e8)
+    assert r.host_mean_gbit == pytest.approx(1.6 / r.round_s)
+    # Per sync: the site's link 1.6 s, the coordinator's 2 x 1.6e9 bits at 10 Gbit/s, the CPU 1.99 s.
+    assert (r.site_link_s, r.shard_link_s) == (pytest.approx(1.6), pytest.approx(0.32))
+    assert r.sync_bottleneck == "shard CPU"
+    assert predict(replace(CPU, commit_s_per_param=0.0)).sync_bottleneck == "site link"
+
+
+def test_the_measured_figures_give_the_bench_setting_half_a_cpu_second() -> None:
+    # scripts/bench_coordinator.py's setting (20M int8 parameters at 8.25 bits, 4 sites): the
+    # defaults give 0.50 CPU-s a round of the 0.77 measured end to end (docs/plan.md).
+    r = predict(Plan(params=2e7, sites=4, bits=8.25))
+    assert r.shard_cpu_s_per_round == pytest.approx(8e7 * 1.03125 / 1.4e9 + 8e7 / 1e9 + 0.3 + 8e7 * 1.03125 / 1.4e9)
+    assert r.shard_cpu_s_per_round == pytest.approx(0.50, abs=0.005)
+
+
+def test_the_ingest_rate_follows_the_runs_codec() -> None:
+    table = {"int8": 2e8, "fp32": 1e8}
+    assert predict(replace(CPU, ingest_params_per_s=table)).shard_ingest_cpu_s_per_round == pytest.approx(2e8 / 1.4e9 + 1.0)
+    assert predict(replace(CPU, ingest_params_per_s=2e8)).shard_ingest_cpu_s_per_round == pytest.approx(2e8 / 1.4e9 + 1.0)
+    fp32 = predict(replace(CPU, ingest_params_per_s=table, bits=32))  # bits=32 names fp32
+    assert fp32.shard_ingest_cpu_s_per_round == pytest.approx(8e8 / 1.4e9 + 2.0)
+    assert predict(replace(CPU, ingest_params_per_s=table, bits=32, codec="int8")).shard_ingest_cpu_s_per_round == pytest.approx(8e8 / 1.4e9 + 1.0)
+    assert predict(replace(CPU, ingest_params_per_s=math.inf)).shard_ingest_cpu_s_per_round == pytest.approx(2e8 / 1.4e9)
+    assert predict(replace(CPU, **NO_COORDINATOR_CPU)).cpu_s == 0.0  # type: ignore[arg-type]
+
+
+# 16 sites on 10 Gbit/s links pushing 1e9 int8 parameters to shard hosts of 100 Gbit/s each.
+WIDE = Plan(params=1e9, step_s=0.5, sync_every=100, bits=8, sites=16, bandwidth_gbit=10.0, coordinator_bandwidth_gbit=100.0, rtt_ms=50.0)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 16])
+def test_shards_divide_each_ones_cpu_and_bytes(shards: int) -> None:
+    one, r = predict(WIDE), predict(replace(WIDE, shards=shards))
+    assert r.shards == r.coordinator_hosts == shards
+    for key in ("shard_cpu_s_per_round", "shard_ingest_cpu_s_per_round", "shard_commit_cpu_s_per_round", "shard_send_cpu_s_per_round", "cpu_s"):
+        assert getattr(r, key) == pytest.approx(getattr(one, key) / shards), key
+    assert r.host_bytes_in_per_round == pytest.approx(one.host_bytes_in_per_round / shards)
+    assert r.host_bytes_out_per_round == pytest.approx(one.host_bytes_out_per_round / shards)
+    assert r.shard_link_s == pytest.approx(one.shard_link_s / shards)
+    # A site still sends and receives the whole model, over its own link.
+    assert r.sent_bytes_per_round == one.sent_bytes_per_round == pytest.approx(1e9)
+    assert r.site_link_s == one.site_link_s == pytest.approx(1.6)
+    # The site's rate: its own 10 Gbit/s, or a shard host's 100 shared by 16 sites for 1/S each.
+    assert r.rate_gbit == pytest.approx(min(10.0, 100.0 * shards / 16))
+    assert r.transfer_s == pytest.approx(max(r.site_link_s, r.shard_link_s))
+
+
+def test_one_host_shares_its_link_and_its_cores() -> None:
+    one, r = predict(WIDE), predict(replace(WIDE, shards=8, shard_placement="one_host"))
+    assert r.coordinator_hosts == 1
+    assert r.shard_cpu_s_per_round == pytest.approx(one.shard_cpu_s_per_round / 8)
+    assert r.cpu_s == pytest.approx(one.cpu_s / 8)  # a core a shard by default
+    # The one host's link carries every site's whole model, as one process's would.
+    assert r.host_bytes_in_per_round == one.host_bytes_in_per_round == pytest.approx(16e9)
+    assert r.transfer_s == one.transfer_s and "(8 shards)" in r.bottleneck
+    # 8 shards on 2 cores take turns: each core runs 4 of them, one after another.
+    two = predict(replace(WIDE, shards=8, shard_placement="one_host", coordinator_cores=2))
+    assert two.shard_cpu_s_per_round == r.shard_cpu_s_per_round
+    assert two.cpu_s == pytest.approx(4 * r.cpu_s)
+    assert predict(replace(WIDE, shards=2, shard_placement="one_host", coordinator_cores=8)).cpu_s == pytest.approx(one.cpu_s / 2)
+
+
+def test_beside_sites_carries_n_minus_1_over_n_of_a_model_per_link() -> None:
+    p = replace(WIDE, shards=16, shard_placement="beside_sites", coordinator_bandwidth_gbit=None)
+    r = predict(p)
+    model = 1e9 * (8 + 8) / 8  # a model up and a model down, in bytes
+    # Each way, a site's link carries 15/16 of a model up (its push out, the others' pushes to
+    # its shard in) and 15/16 of one down: a ring all-reduce's bytes, never N models on one link.
+    assert r.sent_bytes_per_round == r.received_bytes_per_round == pytest.approx(15 / 16 * model)
+    assert r.host_bytes_in_per_round == r.host_bytes_out_per_round == pytest.approx(15 / 16 * model)
+    assert r.coordinator_hosts == 16 and r.rate_gbit == 10.0
+    assert r.transfer_s == r.site_link_s == r.shard_link_s == pytest.approx(15 / 16 * 1.6)
+    assert r.cpu_s == pytest.approx(predict(replace(WIDE, shards=16)).cpu_s)
+    # Against one coordinator host: it takes 16 models in and sends 16 out.
+    assert predict(WIDE).host_bytes_in_per_round == pytest.approx(16 * model / 2)
+    # Alone, a site keeps everything on its host.
+    alone = predict(Plan(sites=1, shards=1, shard_placement="beside_sites", **NO_COORDINATOR_CPU))  # type: ignore[arg-type]
+    assert alone.transfer_s == 0.0 and alone.sent_bytes_per_round == 0.0
+
+
+def test_the_cpu_alone_can_make_a_target_unreachable() -> None:
+    # Every link following the sites': at infinite bandwidth a round is 10 s of compute, 0.4 s of
+    # latency and overhead and the CPU's 1.99 s: 80.7% at best.
+    links, cpu = replace(BASE, coordinator_bandwidth_gbit=None), replace(CPU, coordinator_bandwidth_gbit=None)
+    assert predict(replace(cpu, bandwidth_gbit=math.inf)).utilization == pytest.approx(10 / (10 + 0.4 + CPU_S))
+    assert bandwidth_needed(links, 0.85) is not None
+    assert bandwidth_needed(cpu, 0.85) is None
+    assert bandwidth_needed(cpu, 0.8) is not None
+
+
+def test_a_report_says_null_for_a_cost_free_rate() -> None:
+    report = plan_report(replace(CPU, ingest_params_per_s={"int8": math.inf}))
+    assert report["plan"]["ingest_params_per_s"] == {"int8": None}
+    assert report["sync_bottleneck"] == "shard CPU" and report["shard_cpu_s_per_round"] == pytest.approx(CPU_S - 0.2)
+
+
 # ---- the inverse -------------------------------------------------------------------------
 
 # Fixed costs small enough (0.06 s per sync; a ddp step 0.3 ms) for every target to be reachable.
@@ -190,6 +313,9 @@ INVERSE_PLANS = {
     "ddp": Plan(mode="ddp", params=1e9, step_s=0.1, bits=16, sites=4, rtt_ms=0.1),
     "ddp-layers": Plan(mode="ddp", params=1e9, step_s=0.1, bits=16, sites=2, rtt_ms=0.0, layers=24),
     "allreduce-streaming": Plan(topology="allreduce", params=1e9, step_s=0.1, bits=4, sites=2, fragments=8, overlap_steps=1, layers=24, rtt_ms=0.0),
+    # The coordinator's CPU at its measured cost, small enough for 99%: 0.06 s per shard per round.
+    "shard-hosts": Plan(params=1e7, step_s=0.1, sync_every=100, bits=8, sites=4, rtt_ms=20.0, shards=4),
+    "beside-sites": Plan(params=1e7, step_s=0.1, sync_every=100, bits=8, sites=4, rtt_ms=20.0, shards=4, shard_placement="beside_sites"),
 }
 
 
@@ -265,6 +391,23 @@ BAD = [
     ({"topology": "allreduce", "fragments": 4, "layers": 2}, "layers=2: fewer layers than fragments=4"),
     ({"backward_fraction": 1.0}, "backward_fraction=1.0"),
     ({"mfu": 0.0}, "mfu=0.0"),
+    ({"shards": 0}, "shards=0: must be an integer >= 1"),
+    ({"shards": 2.5}, "shards=2.5"),
+    ({"shard_placement": "racks"}, "shard_placement='racks': must be one of hosts, one_host, beside_sites"),
+    ({"shards": 8, "shard_placement": "beside_sites"}, "shards=8: shard_placement=beside_sites puts one shard beside each site, so shards must equal sites=4"),
+    ({"shards": 4, "shard_placement": "beside_sites", "coordinator_bandwidth_gbit": 25.0}, "coordinator_bandwidth_gbit=25.0: shard_placement=beside_sites"),
+    ({"coordinator_cores": 4}, "coordinator_cores=4: only shard_placement=one_host"),
+    ({"shard_placement": "one_host", "coordinator_cores": 0}, "coordinator_cores=0: must be an integer >= 1"),
+    ({"topology": "allreduce", "shards": 2}, "shards=2: topology=allreduce exchanges among the sites, with no coordinator to shard"),
+    ({"mode": "ddp", "shard_placement": "one_host"}, "shard_placement='one_host': mode=ddp"),
+    ({"ingest_params_per_s": -1e9}, "ingest_params_per_s=-1000000000.0: must be a number > 0"),
+    ({"ingest_params_per_s": 0}, "ingest_params_per_s=0"),
+    ({"ingest_params_per_s": {"int8": -1.0}}, "ingest_params_per_s.int8=-1.0: must be a number > 0"),
+    ({"ingest_params_per_s": {"int9": 1e9}}, "ingest_params_per_s: unknown codec(s) int9"),
+    ({"ingest_params_per_s": {"int8": 1e9}}, "ingest_params_per_s has no rate for codec=fp32 (the run's codec, from bits=32; it has int8)"),
+    ({"grpc_bytes_per_cpu_s": -1.4e9}, "grpc_bytes_per_cpu_s=-1400000000.0: must be a number > 0"),
+    ({"commit_s_per_param": -1e-8}, "commit_s_per_param=-1e-08: must be a finite number >= 0"),
+    ({"codec": "int9"}, "codec='int9': must be one of fp32"),
 ]
 
 
