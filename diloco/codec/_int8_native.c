@@ -20,6 +20,9 @@
  *     acc[i] += (double)(code_i * scale) * alpha for the n int8 codes laid out as decode's:
  *     the value decode gives, widened and scaled in float64 (no fused multiply-add, so the
  *     same bits on every machine). acc: a writable float64 buffer of n values.
+ * accumulate_nibbles(payload, offset, block, n, table, acc, alpha) -> None
+ *     The same for two 4-bit codes per byte (element 2i in the low nibble of byte i): the
+ *     value table[code] * scale (table: 16 float32, the codec's levels) as the codec decodes it.
  * accumulate_f32(payload, acc, alpha) -> None
  *     acc[i] += (double)x_i * alpha for the little-endian float32 values of payload.
  * finite_f32(payload) -> bool
@@ -170,6 +173,42 @@ done:
     return result;
 }
 
+static PyObject *accumulate_nibbles(PyObject *self, PyObject *args) {
+    Py_buffer pb, tb, ab;
+    Py_ssize_t offset, block, n;
+    double alpha;
+    if (!PyArg_ParseTuple(args, "y*nnny*w*d", &pb, &offset, &block, &n, &tb, &ab, &alpha)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_blocks = block > 0 ? (n + block - 1) / block : 0;
+    if (block < 1 || n < 0 || ab.len != 8 * n || tb.len != 16 * 4 || offset < 0 || pb.len != offset + 4 * n_blocks + (n + 1) / 2) {
+        PyErr_SetString(PyExc_ValueError, "native accumulate_nibbles: payload length, block, table or acc do not agree");
+        goto done;
+    }
+    double *acc = (double *)ab.buf;
+    float table[16];
+    memcpy(table, tb.buf, sizeof table);
+    const unsigned char *p = (const unsigned char *)pb.buf + offset;
+    const unsigned char *codes = p + 4 * n_blocks;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        float s;
+        memcpy(&s, p + 4 * b, 4);
+        Py_ssize_t start = b * block, end = n - start < block ? n : start + block;
+        for (Py_ssize_t i = start; i < end; i++) {
+            unsigned char byte = codes[i >> 1];
+            float v = table[(i & 1) ? byte >> 4 : byte & 15] * s;
+            acc[i] += (double)v * alpha;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&ab);
+    return result;
+}
+
 static PyObject *accumulate_f32(PyObject *self, PyObject *args) {
     Py_buffer pb, ab;
     double alpha;
@@ -222,6 +261,7 @@ static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode (see the file's comment)"},
     {"decode", decode, METH_VARARGS, "int8 blockwise decode (see the file's comment)"},
     {"accumulate", accumulate, METH_VARARGS, "int8 blockwise decode added into float64 (see the file's comment)"},
+    {"accumulate_nibbles", accumulate_nibbles, METH_VARARGS, "4-bit blockwise decode added into float64 (see the file's comment)"},
     {"accumulate_f32", accumulate_f32, METH_VARARGS, "float32 values added into float64 (see the file's comment)"},
     {"finite_f32", finite_f32, METH_VARARGS, "every float32 value is finite (see the file's comment)"},
     {NULL, NULL, 0, NULL},

@@ -145,6 +145,23 @@ class _BlockScaled:
         values = self._values(payload, HEADER_BYTES + 4 * len(scales), numel)
         return _apply_per_block(torch.mul, values, torch.from_numpy(scales.copy()), block, values)
 
+    def check_payload(self, payload: bytes, numel: int) -> None:
+        """The fused intake's check (the Codec docstring), from the header and the scales
+        alone: a code's value |v| * scale <= largest * scale in float32 (``largest``: the
+        largest |value| any code of the payload's width decodes to, 128 for int8's -128),
+        so every value is finite exactly when largest * scale is for every block (a sender's
+        scale near float32's max would overflow)."""
+        _, scales = self._layout(payload, numel)
+        with np.errstate(over="ignore"):
+            over = ~np.isfinite(scales * np.float32(self._largest))
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise CodecError(f"non-finite values: block {i}'s scale {scales[i]} times {self._largest:g} overflows float32")
+        self._check_codes(payload, numel, len(scales))
+
+    def _check_codes(self, payload: bytes, numel: int, n_blocks: int) -> None:
+        """What ``_values`` refuses in the codes themselves (nothing, for whole bytes)."""
+
     def _codes(self, ratio: torch.Tensor) -> torch.Tensor:
         """Codes for x / absmax in [-1, 1] (may overwrite ``ratio``): int8 or uint8 per element."""
         raise NotImplementedError
@@ -175,6 +192,7 @@ class Int8Codec(_BlockScaled):
     name = "int8"
     code_bits = 8
     max_code = 127.0
+    _largest = 128.0  # |-128|: never written, but a payload may hold it
     default_block = 1024
     # The C loops of _int8_native.c where they were compiled: the same bytes, fewer passes.
     use_native = _native is not None
@@ -199,18 +217,6 @@ class Int8Codec(_BlockScaled):
 
     def _codes(self, ratio: torch.Tensor) -> torch.Tensor:
         return ratio.mul_(127).round_().to(torch.int8)
-
-    def check_payload(self, payload: bytes, numel: int) -> None:
-        """The fused intake's check (the Codec docstring), from the header and the scales
-        alone: a code's value |code| * scale <= 127 * scale in float32, so every value is
-        finite exactly when 127 * scale is for every block (a sender's scale near float32's
-        max would overflow)."""
-        _, scales = self._layout(payload, numel)
-        with np.errstate(over="ignore"):
-            over = ~np.isfinite(scales * np.float32(self.max_code))
-        if over.any():
-            i = int(np.flatnonzero(over)[0])
-            raise CodecError(f"non-finite values: block {i}'s scale {scales[i]} times {self.max_code:g} overflows float32")
 
     def accumulate(self, payload: bytes, numel: int, out: torch.Tensor, alpha: float) -> None:
         """``out += alpha * decode(payload)`` in float64 without the float32 copy (checked
@@ -255,6 +261,21 @@ class _NibbleCodec(_BlockScaled):
         # decodes two elements.
         b = np.arange(256)
         cls._byte_values = np.stack([cls._nibble_values[b & 15], cls._nibble_values[b >> 4]], axis=1).astype(np.float32)
+        cls._largest = float(np.abs(cls._nibble_values).max())
+        cls._table = np.ascontiguousarray(cls._nibble_values, dtype=np.float32).tobytes()
+
+    def _check_codes(self, payload: bytes, numel: int, n_blocks: int) -> None:
+        if numel % 2 and payload[HEADER_BYTES + 4 * n_blocks + numel // 2] >> 4:
+            raise CodecError(f"{self.name} payload: the padding nibble after element {numel - 1} is not zero")
+
+    def accumulate(self, payload: bytes, numel: int, out: torch.Tensor, alpha: float) -> None:
+        """``out += alpha * decode(payload)`` in float64 (checked already by ``check_payload``):
+        level * scale in float32 as ``decode`` gives it, then widened, times alpha and added."""
+        if _native is None:
+            out.add_(self.decode(payload, numel), alpha=alpha)
+            return
+        block = parse_header(self.name, payload, numel)
+        _native.accumulate_nibbles(payload, HEADER_BYTES, block, numel, self._table, out.numpy(), float(alpha))
 
     def _codes(self, ratio: torch.Tensor) -> torch.Tensor:
         nibbles = self._nibbles(ratio)

@@ -34,7 +34,7 @@ def _held(chunks, specs) -> HeldPush:
     return held.finish()
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "topk2bit", "int8+zstd", "bf16"])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "e3m0", "topk2bit", "int8+zstd", "bf16"])
 def test_held_pushes_sum_to_the_bits_of_decoded_ones(codec: str) -> None:
     specs = fingerprint(_delta(0))
     fused, decoded = WeightedMean({n: torch.Size(s) for n, s in SHAPES.items()}), WeightedMean({n: torch.Size(s) for n, s in SHAPES.items()})
@@ -55,7 +55,7 @@ def test_the_c_loops_and_the_torch_path_add_the_same_bits() -> None:
     x = torch.randn(70_001, generator=_g(4)) * 1e-3
     torch_path = Int8Codec()
     torch_path.use_native = False
-    for codec in (get_codec("int8"), torch_path, get_codec("fp32")):
+    for codec in (get_codec("int8"), torch_path, get_codec("fp32"), get_codec("int4"), get_codec("e3m0")):
         payload = codec.encode(x)
         codec.check_payload(payload, x.numel())
         out = torch.full((x.numel(),), 0.5, dtype=torch.float64)
@@ -104,6 +104,9 @@ def _nan_at(i: int):
         ("int8", _nan_at(8), "scale nan in block 0"),  # the header is 8 bytes; the first scale follows
         ("int8", lambda p: bytes(p[:8]) + np.float32(3e38).tobytes() + bytes(p[12:]), "overflows float32"),
         ("int8", lambda p: bytes(p[:-1]), "expected"),
+        # a scale whose 127-fold is finite but not its 128-fold (code -128 is never written, but a payload may hold it)
+        ("int8", lambda p: bytes(p[:8]) + np.float32(3.4e38 / 127.5).tobytes() + bytes(p[12:]), "times 128 overflows"),
+        ("int4", lambda p: bytes(p[:8]) + np.float32(3.4e38 / 7.5).tobytes() + bytes(p[12:]), "times 8 overflows"),
     ],
 )
 def test_a_bad_chunk_is_refused_naming_it_and_nothing_is_added(codec: str, spoil, says: str) -> None:
