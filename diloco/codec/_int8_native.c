@@ -23,6 +23,9 @@
  * accumulate_nibbles(payload, offset, block, n, table, acc, alpha) -> None
  *     The same for two 4-bit codes per byte (element 2i in the low nibble of byte i): the
  *     value table[code] * scale (table: 16 float32, the codec's levels) as the codec decodes it.
+ * accumulate_sparse(positions, values, acc, alpha) -> None
+ *     acc[positions[i]] += (double)values[i] * alpha: int64 positions (checked by the caller
+ *     to lie in acc), float32 values.
  * accumulate_f32(payload, acc, alpha) -> None
  *     acc[i] += (double)x_i * alpha for the little-endian float32 values of payload.
  * finite_f32(payload) -> bool
@@ -209,6 +212,36 @@ done:
     return result;
 }
 
+static PyObject *accumulate_sparse(PyObject *self, PyObject *args) {
+    Py_buffer ib, vb, ab;
+    double alpha;
+    if (!PyArg_ParseTuple(args, "y*y*w*d", &ib, &vb, &ab, &alpha)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t k = vb.len / 4, n = ab.len / 8;
+    if (vb.len % 4 || ib.len != 8 * k || ab.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "native accumulate_sparse: positions, values and acc do not agree");
+        goto done;
+    }
+    const int64_t *pos = (const int64_t *)ib.buf;
+    const float *val = (const float *)vb.buf;
+    double *acc = (double *)ab.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (pos[i] < 0 || pos[i] >= n) {
+            PyErr_SetString(PyExc_ValueError, "native accumulate_sparse: a position outside acc");
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++) acc[pos[i]] += (double)val[i] * alpha;
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&ab);
+    return result;
+}
+
 static PyObject *accumulate_f32(PyObject *self, PyObject *args) {
     Py_buffer pb, ab;
     double alpha;
@@ -262,6 +295,7 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "int8 blockwise decode (see the file's comment)"},
     {"accumulate", accumulate, METH_VARARGS, "int8 blockwise decode added into float64 (see the file's comment)"},
     {"accumulate_nibbles", accumulate_nibbles, METH_VARARGS, "4-bit blockwise decode added into float64 (see the file's comment)"},
+    {"accumulate_sparse", accumulate_sparse, METH_VARARGS, "sparse float32 values added into float64 (see the file's comment)"},
     {"accumulate_f32", accumulate_f32, METH_VARARGS, "float32 values added into float64 (see the file's comment)"},
     {"finite_f32", finite_f32, METH_VARARGS, "every float32 value is finite (see the file's comment)"},
     {NULL, NULL, 0, NULL},

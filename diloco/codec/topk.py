@@ -9,7 +9,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from diloco.codec.base import CodecError
+from diloco.codec.base import CodecError, _native
 from diloco.codec.header import (
     HEADER_BYTES,
     as_float32,
@@ -154,6 +154,15 @@ class TopK2BitCodec:
         )
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+        positions, values = self.decode_sparse(payload, numel)
+        out = torch.zeros(numel)
+        out[torch.from_numpy(positions)] = torch.from_numpy(values)
+        return out
+
+    def decode_sparse(self, payload: bytes, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kept values as (positions: int64, ascending; values: float32), every check of
+        ``decode`` made: the fused intake adds them where they go without a dense copy
+        (a 1 MiB chunk holds some 40 million elements at density 0.02)."""
         fmt = parse_header(self.name, payload, numel)
         if len(payload) < _LEVELS_AT:
             raise CodecError(f"topk2bit payload has {len(payload)} bytes, shorter than its {_LEVELS_AT}-byte header")
@@ -177,10 +186,18 @@ class TopK2BitCodec:
             raise CodecError(f"topk2bit payload has levels lo={float(lo[i])}, hi={float(hi[i])} in block {i}: need finite 0 <= lo <= hi")
         codes = _unpack_2bit(np.frombuffer(payload, dtype=np.uint8, count=n_value_bytes, offset=values_at), k)
         positions = decode_positions(payload, values_at + n_value_bytes, numel, k, fmt, "topk2bit payload")
-        out = torch.zeros(numel)
         table = np.stack([lo, -lo, hi, -hi], axis=1)
-        out[torch.from_numpy(positions)] = torch.from_numpy(table[positions // block, codes])
-        return out
+        return positions, table[positions // block, codes]
+
+    @staticmethod
+    def add_sparse(positions: np.ndarray, values: np.ndarray, out: torch.Tensor, alpha: float) -> None:
+        """``out[positions] += alpha * values`` in float64 (``decode_sparse``'s pair; ``out`` a
+        contiguous float64 tensor of the chunk's elements): what adding ``decode``'s dense
+        values gives, since the sum of products from +0 is never -0, so adding 0 changes no bit."""
+        if _native is not None:
+            _native.accumulate_sparse(positions, values, out.numpy(), float(alpha))
+        elif len(positions):
+            out.index_add_(0, torch.from_numpy(positions), torch.from_numpy(values).double(), alpha=alpha)
 
 
 def _pack_2bit(codes: np.ndarray) -> bytes:

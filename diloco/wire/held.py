@@ -4,7 +4,8 @@ then, once the push is whole and counted, added into the round's float64 sum chu
 straight from the payload (``accumulate``): no float32 copy of the push is ever made.
 
 Chunks of whole tensors whose codec has the fused pair (``check_payload`` and
-``accumulate``: fp32, int8) keep their payloads; a chunk of another codec, or of a slice (a
+``accumulate``: fp32, int8, int4, e3m0) keep their payloads; topk2bit's keep their kept
+values and positions (``decode_sparse``), added where they go; a chunk of another codec, or of a slice (a
 box) of a tensor, is decoded as it arrives and its float32 values are kept instead. The memory a push holds is what it sent (its
 payloads: one byte per value in int8, against the four of a float32 staging copy).
 """
@@ -46,6 +47,13 @@ class HeldPush:
         if not box.is_whole(spec.shape):
             part = self._boxes.setdefault((chunk.name, box), torch.empty(box.numel, dtype=torch.float32))
             part[chunk.offset : chunk.offset + chunk.numel] = _decode(chunk)
+        elif hasattr(codec, "decode_sparse"):
+            try:
+                positions, values = codec.decode_sparse(chunk.payload, chunk.numel)
+            except CodecError as e:
+                raise CodecError(f"chunk of {chunk.name!r} at elements [{chunk.offset}, {chunk.offset + chunk.numel}): {e}") from None
+            # finite: its levels are (decode_sparse refuses others)
+            self._kept.append((chunk.name, chunk.offset, chunk.numel, codec, (positions, values)))
         elif hasattr(codec, "accumulate"):
             try:
                 codec.check_payload(chunk.payload, chunk.numel)
@@ -73,6 +81,8 @@ class HeldPush:
             out = sums[name].view(-1)[offset : offset + numel]
             if isinstance(kept, torch.Tensor):
                 out.add_(kept, alpha=alpha)
+            elif isinstance(kept, tuple):
+                codec.add_sparse(*kept, out, alpha)  # type: ignore[attr-defined]
             else:
                 codec.accumulate(kept, numel, out, alpha)  # type: ignore[attr-defined]
         for (name, box), values in self._boxes.items():
