@@ -168,7 +168,7 @@ def ours_coordinator(a: argparse.Namespace) -> None:
     theta = {n: p.detach().clone() for n, p in _model(a.layers).named_parameters()}
     work = Path(a.work)
     cfg = CoordinatorConfig(
-        total_rounds=a.rounds, min_sites=2, sync_every=a.H, codec_up="fp32", max_sites=2, checkpoint_dir=None if a.no_checkpoint else str(work / "checkpoints")
+        total_rounds=a.rounds, min_sites=2, max_sites=2, checkpoint_dir=None if a.no_checkpoint else str(work / "checkpoints")
     )
     coord = Coordinator(theta, OuterConfig(), cfg)
     server, port = serve(coord, "127.0.0.1", 0)
