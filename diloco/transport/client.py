@@ -33,6 +33,10 @@ _KINDS: dict[grpc.StatusCode, Kind] = {
 }
 
 
+_PUSH_DELTA = "/diloco.v1.Coordinator/PushDelta"  # the paths coordinator_pb2_grpc's stub calls
+_UPLOAD_INIT = "/diloco.v1.Coordinator/UploadInit"
+
+
 def _remote(e: grpc.RpcError) -> RemoteError:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
@@ -87,6 +91,12 @@ class CoordinatorClient:
         self._channel = self._channels[0]
         self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
         self._stub = self._stubs[0]
+        # The push streams' chunks go to their wire bytes without a protobuf message each
+        # (serde.push_message_to_wire); the stubs' own PushDelta would build three copies.
+        self._pushes = [
+            c.stream_unary(_PUSH_DELTA, request_serializer=serde.push_message_to_wire, response_deserializer=pb.PushReply.FromString) for c in self._channels
+        ]
+        self._upload = self._channel.stream_unary(_UPLOAD_INIT, request_serializer=serde.push_message_to_wire, response_deserializer=pb.PushReply.FromString)
 
     @property
     def streams(self) -> int:
@@ -114,17 +124,16 @@ class CoordinatorClient:
         return serde.join_info_from_proto(reply)
 
     def push(self, header: PushHeader, chunks: Iterable[Chunk], lane: int = 0) -> PushResult:
-        return self._stream(self._stubs[lane % len(self._stubs)].PushDelta, header, chunks)
+        return self._stream(self._pushes[lane % len(self._pushes)], header, chunks)
 
     def upload_init(self, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
         """Sends this site's parameters as θ₀ (float32 chunks), when Join asked for them."""
-        return self._stream(self._stub.UploadInit, header, chunks)
+        return self._stream(self._upload, header, chunks)
 
     def _stream(self, rpc: grpc.StreamUnaryMultiCallable, header: PushHeader, chunks: Iterable[Chunk]) -> PushResult:
-        def messages() -> Iterator[pb.PushMessage]:
+        def messages() -> Iterator[pb.PushMessage | Chunk]:
             yield pb.PushMessage(header=serde.header_to_proto(header))
-            for c in chunks:
-                yield pb.PushMessage(chunk=serde.chunk_to_proto(c))
+            yield from chunks  # serde.push_message_to_wire writes each
 
         try:
             reply = rpc(messages(), timeout=self.timeout_s, wait_for_ready=True, metadata=self._md)

@@ -82,6 +82,20 @@ def global_chunk_to_wire(c: Chunk) -> bytes:
     return _global_message(b"\x12", c)
 
 
+def push_chunk_to_wire(c: Chunk) -> bytes:
+    """``pb.PushMessage(chunk=chunk_to_proto(c)).SerializeToString()``, faster: a site's pushed
+    chunk with one copy of its payload (protobuf's way copies it into the chunk message, into
+    the push message and into the bytes), in the canonical form the server reads without
+    protobuf (``push_message_from_wire``)."""
+    return _global_message(b"\x12", c)
+
+
+def push_message_to_wire(m: Chunk | pb.PushMessage) -> bytes:
+    """A push stream's message: a Chunk as ``push_chunk_to_wire`` writes it, the header (a
+    PushMessage) as protobuf does."""
+    return push_chunk_to_wire(m) if isinstance(m, Chunk) else m.SerializeToString()
+
+
 @dataclass(frozen=True)
 class MomentumChunk:
     """A chunk of the outer optimizer's momentum in a PullGlobal answer (GlobalMessage.momentum)."""

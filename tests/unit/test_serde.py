@@ -25,6 +25,8 @@ def test_chunks_written_by_hand_are_protobufs_bytes() -> None:
         )  # fmt: skip
         assert serde.chunk_to_wire(c) == serde.chunk_to_proto(c).SerializeToString()
         assert serde.global_chunk_to_wire(c) == pb.GlobalMessage(chunk=serde.chunk_to_proto(c)).SerializeToString()
+        assert serde.push_chunk_to_wire(c) == pb.PushMessage(chunk=serde.chunk_to_proto(c)).SerializeToString()
+        assert serde.push_message_to_wire(c) == serde.push_chunk_to_wire(c)
         assert serde.chunk_from_proto(pb.TensorChunk.FromString(serde.chunk_to_wire(c))) == c
 
 
@@ -67,3 +69,21 @@ def test_a_pushed_chunk_is_read_as_protobuf_reads_it_whatever_its_encoding() -> 
     for data in odd:
         assert parsed(data) == reference(data), data
     assert isinstance(serde.push_message_from_wire(canonical), Chunk)
+
+
+def test_the_clients_own_push_calls_name_the_stubs_methods() -> None:
+    """CoordinatorClient calls PushDelta and UploadInit by path, with its own serializer: the
+    paths are those the generated stub uses."""
+    from diloco.transport import client
+    from diloco.transport.pb import coordinator_pb2_grpc as pb_grpc
+
+    class Channel:
+        def __init__(self) -> None:
+            self.paths: list[str] = []
+
+        def __getattr__(self, kind: str):
+            return lambda path, **_: self.paths.append(path)
+
+    channel = Channel()
+    pb_grpc.CoordinatorStub(channel)
+    assert client._PUSH_DELTA in channel.paths and client._UPLOAD_INIT in channel.paths
