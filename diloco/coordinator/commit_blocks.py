@@ -5,8 +5,8 @@ compensated and decoded updates, the new residual).
 
 It takes the common round: the mean of a WeightedMean (``aggregate=mean``), torch's SGD with
 Nesterov momentum and nothing more (OuterOptimizer.nesterov_step), not an averaging round;
-a lossless downlink (fp32) or a blockwise-scaled one (int8, int4, e3m0, each also +zstd)
-whose chunks are a multiple of 64 elements; the compiled loops present and agreeing with
+a lossless downlink (fp32, fp32+zstd) or a blockwise-scaled one (int8, int4, e3m0, each also
++zstd); the compiled loops present and agreeing with
 torch on this machine (diloco.coordinator.kernels.available); the outer optimizer measuring
 with the coordinator's norm (kernels.norm). For it, every value is the generic path's, bit
 for bit: θ and its hash, the momentum, the downlink residual, the chunks' bytes, the norms
@@ -14,8 +14,9 @@ for bit: θ and its hash, the momentum, the downlink residual, the chunks' bytes
 path (OuterOptimizer.step, UpdateEncoder.transmit) runs as it always did.
 
 A block is a chunk of the downlink (``codec.max_chunk_numel(chunk_bytes)`` elements from a
-tensor's start): the chunks made block by block are encode_chunks'. All or nothing, in two
-passes over the round's tensors:
+tensor's start, of any size: the compiled loops compute each element alone, so no result
+depends on where a block starts or ends): the chunks made block by block are encode_chunks'.
+All or nothing, in two passes over the round's tensors:
 
 1. ``check`` writes nothing. It measures the mean Δ (the guard's norm; finite exactly when
    every value is) and the proposed update u (check_update's norm), and, for a lossy
@@ -37,11 +38,13 @@ passes over the round's tensors:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import math
+import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,7 +64,6 @@ if TYPE_CHECKING:
     from diloco.coordinator.commit import UpdateEncoder
 
 ENABLED = True  # False: every round takes the generic path (benchmarks and tests compare the two)
-LANE_ALIGN = 64  # a block starts at a multiple of this many elements: the norms' lanes line up
 
 # The bound on |ũ| is computed, and |ũ| is measured, in float64 with rounding: a relative
 # margin far above either error (a few units in the last place per addition, ~1e-16 each).
@@ -183,7 +185,9 @@ class BlockCommit:
                             sk.copy_(decoder.decode(payload, k))
                     encode_s += time.perf_counter() - te
                     theta = t.theta[offset : offset + k]
-                    kernels.native.outer_apply(xk.numpy(), sk.numpy(), theta.numpy(), None if out is None else out[offset : offset + k].numpy(), lanes)
+                    residual = None if out is None else out[offset : offset + k].numpy()
+                    with _lanes_from(lanes, offset) as block_lanes:
+                        kernels.native.outer_apply(xk.numpy(), sk.numpy(), theta.numpy(), residual, block_lanes)
                     chunks.append(
                         Chunk(name=name, shape=tuple(param.shape), dtype=dtype_name(param.dtype), offset=offset, numel=k, codec=codec.name, payload=payload)
                     )
@@ -247,8 +251,6 @@ def plan(acc: object, outer: OuterOptimizer, encoder: UpdateEncoder, round: int)
     codec = encoder.codec
     if not is_lossless(codec.name) and absmax_bounded_block(codec) is None:
         return None
-    if codec.max_chunk_numel(encoder.chunk_bytes) % LANE_ALIGN:
-        return None
     if not sums or any(n not in outer.params or not _fits(sums[n], outer.params[n], torch.float64) for n in sums):
         return None
     if not all(_fits(outer.params[n], outer.params[n], torch.float32) for n in sums):
@@ -258,6 +260,21 @@ def plan(acc: object, outer: OuterOptimizer, encoder: UpdateEncoder, round: int)
         return None
     step = outer.nesterov_step(list(sums), round)
     return None if step is None else BlockCommit(outer, encoder, sums, weight, step, round)
+
+
+@contextlib.contextmanager
+def _lanes_from(lanes: np.ndarray | None, offset: int) -> Iterator[np.ndarray | None]:
+    """``lanes`` as a compiled loop that starts at element ``offset`` of the tensor takes them:
+    it puts its i-th element in lane i % 16, the tensor's norm puts it in (offset + i) % 16,
+    so the lanes go in rotated by offset % 16 and come back turned home (each lane still
+    adds its elements in order)."""
+    shift = offset % kernels.LANES
+    if lanes is None or not shift:
+        yield lanes
+        return
+    turned = np.roll(lanes, -shift)
+    yield turned
+    lanes[:] = np.roll(turned, shift)
 
 
 def _fits(t: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -273,8 +290,13 @@ def _root(squares: Iterable[float]) -> float:
     return math.sqrt(total)
 
 
-@functools.cache
 def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's hashing thread (a forked child gets its own: the parent's is not there)."""
+    return _hash_worker_of(os.getpid())
+
+
+@functools.cache
+def _hash_worker_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit-hash")
 
 

@@ -32,9 +32,12 @@ except ImportError:  # not compiled (setup.py makes it optional): torch's paths
 native: Any = _int8_native if hasattr(_int8_native, "outer_pass") else None
 
 
+LANES = 16  # sumsq_f32's lanes: element i of a tensor goes to lane i % LANES
+
+
 def lanes() -> np.ndarray:
-    """A tensor's 16 float64 lanes of squares, zero."""
-    return np.zeros(16, dtype=np.float64)
+    """A tensor's float64 lanes of squares, zero."""
+    return np.zeros(LANES, dtype=np.float64)
 
 
 def norm(tensors: Mapping[str, torch.Tensor]) -> float:

@@ -1,10 +1,11 @@
 """The blockwise in-place commit (diloco.coordinator.commit_blocks) against the generic path:
 two shards fed the same pushes, one committing block by block where it applies, the other
 always on the generic path, agree bit for bit every round (θ and its hash, the momentum, the
-downlink residual, the chunks' bytes, the norms and the records) over int8 / int4+zstd / fp32
-downlinks, with and without error feedback, an lr and momentum schedule, fragments with a
-flush round, a round the guard refuses, odd tensor sizes and an empty tensor; the rounds it
-cannot take (other optimizers, aggregates and codecs, averaging rounds, odd chunk sizes) go
+downlink residual, the chunks' bytes, the norms and the records) over int8 / int4+zstd / fp32 /
+fp32+zstd downlinks, with and without error feedback, an lr and momentum schedule, fragments
+with a flush round, a round the guard refuses, odd tensor sizes and an empty tensor, chunks
+and int8 blocks of odd sizes (the norms' lanes taken block by block too); the rounds it
+cannot take (other optimizers, aggregates and codecs, averaging rounds) go
 to the generic path; a refused round leaves θ, the momentum and the residual as they were;
 a round whose checks it cannot settle in its first pass goes to the generic path too; and a
 commit at 8M parameters peaks well under the generic path's memory."""
@@ -26,7 +27,7 @@ import torch
 from helpers import ROOT
 from helpers import generator as _g
 
-from diloco.codec import get_codec
+from diloco.codec import CodecConfig, get_codec
 from diloco.coordinator import commit_blocks, kernels
 from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder
 from diloco.coordinator.config import CoordinatorConfig
@@ -131,9 +132,12 @@ def _wire(chunks: list[Chunk]) -> list[tuple[Any, ...]]:
 
 CASES = {
     "int8-error-feedback": (CoordinatorConfig(total_rounds=6, codec_down="int8", chunk_bytes=1 << 16), OuterConfig()),
+    # Chunks of 65065 elements and int8 blocks of 1001: neither a multiple of any vector width.
+    "int8-odd-blocks": (CoordinatorConfig(total_rounds=4, codec_down=CodecConfig(name="int8", block=1001), chunk_bytes=1 << 16), OuterConfig()),
     "int8-no-feedback": (CoordinatorConfig(total_rounds=4, codec_down="int8", error_feedback_down=False), OuterConfig()),
     "int4+zstd": (CoordinatorConfig(total_rounds=4, codec_down="int4+zstd", chunk_bytes=1 << 15), OuterConfig(lr=0.5, momentum=0.8)),
     "fp32": (CoordinatorConfig(total_rounds=4, codec_down="fp32", chunk_bytes=1 << 16), OuterConfig()),
+    "fp32+zstd": (CoordinatorConfig(total_rounds=3, codec_down="fp32+zstd", chunk_bytes=1 << 16), OuterConfig()),  # chunks of 16311: odd
     "schedule": (
         CoordinatorConfig(total_rounds=6, codec_down="int8", chunk_bytes=1 << 16),
         OuterConfig(lr_warmup=2, lr_decay="cosine", lr_min_ratio=0.1, momentum_warmup=3),  # momentum 0 at the first step
@@ -233,7 +237,6 @@ FALLBACKS = {
     "median": (CoordinatorConfig(total_rounds=2, aggregate="median"), OuterConfig()),
     "fp16-downlink": (CoordinatorConfig(total_rounds=2, codec_down="fp16"), OuterConfig()),
     "topk-downlink": (CoordinatorConfig(total_rounds=2, codec_down="topk2bit"), OuterConfig()),
-    "odd-chunks": (CoordinatorConfig(total_rounds=2, codec_down="fp32", chunk_bytes=1000), OuterConfig()),  # 250 elements: not a multiple of 64
     "final-average": (CoordinatorConfig(total_rounds=1), OuterConfig(final_average=True)),  # round 0 averages
 }
 
@@ -264,6 +267,20 @@ def test_a_refused_rounds_zero_update_is_encoded_as_the_zero_tensors_were(codec:
     encoder = UpdateEncoder.of(get_codec(codec), specs, 1 << 15, True)
     want = encoder.encode({n: torch.zeros(s) for n, s in SHAPES.items()})
     assert _wire(encoder.encode_zeros(list(SHAPES))) == _wire(want)
+
+
+def test_lanes_taken_in_blocks_of_any_size_are_the_whole_tensors_lanes() -> None:
+    g = _g(5)
+    values = torch.randn(10_007, generator=g) * torch.logspace(-3, 3, 10_007)
+    whole = kernels.lanes()
+    kernels.native.sumsq_f32(values.numpy(), whole)
+    lanes = kernels.lanes()
+    for offset in range(0, values.numel(), 1001):
+        k = min(1001, values.numel() - offset)
+        block = values[offset : offset + k]
+        with commit_blocks._lanes_from(lanes, offset) as block_lanes:  # noqa: SLF001 - the rotation the second pass relies on
+            kernels.native.outer_apply(torch.zeros(k).numpy(), block.numpy(), torch.zeros(k).numpy(), None, block_lanes)
+    assert lanes.tobytes() == whole.tobytes()
 
 
 def test_the_compiled_loops_give_torchs_bits_here() -> None:
