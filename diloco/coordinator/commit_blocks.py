@@ -163,11 +163,13 @@ class BlockCommit:
                 if t is None:  # not stepped this round (another fragment's): hashed as it is
                     digest.update(param.view(-1).numpy())
                     continue
-                if t.mode == 1:
-                    t.momentum = buffers[name] = torch.empty_like(param)  # torch's first step: the gradient
-                    t.momentum = t.momentum.view(-1)
-                elif t.mode == 2:
-                    buffers[name] = self.step.buffers[name]  # type: ignore[assignment]
+                if t.mode == 1:  # torch's first step starts the buffer as the gradient: written by the pass
+                    buffers[name] = torch.empty_like(param)
+                    t.momentum = buffers[name].view(-1)
+                elif t.mode == 2:  # the buffer itself (written in place), as torch's state holds it
+                    buf = self.step.buffers[name]
+                    assert buf is not None
+                    buffers[name] = buf
                 out = None
                 if self.feedback is not None:
                     out = t.residual if t.residual is not None else torch.empty(param.numel(), dtype=torch.float32)

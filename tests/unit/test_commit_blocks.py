@@ -253,9 +253,12 @@ def test_the_rounds_it_does_not_take_go_to_the_generic_path(case: str, applied: 
 
 def test_the_default_round_takes_the_blockwise_path_and_the_checkpoint_holds_theta_itself(applied: list[int]) -> None:
     shapes = {"blocks.0.w": (300, 7), "blocks.0.b": (7,)}
-    shard = _shard(CoordinatorConfig(total_rounds=2), OuterConfig(), _theta(shapes))
+    shard = _shard(CoordinatorConfig(total_rounds=3), OuterConfig(), _theta(shapes))
     _commit(shard, 0, _deltas(0, shapes), blockwise=True)
-    assert applied == [0]
+    buffers = _momentum(shard)
+    _commit(shard, 1, _deltas(1, shapes), blockwise=True)
+    assert applied == [0, 1]
+    assert all(_momentum(shard)[n] is b for n, b in buffers.items())  # written in place: the same tensors
     assert shard.outer is not None
     held = shard.checkpoint()["outer"]["params"]
     assert all(held[n] is p for n, p in shard.outer.params.items())  # a reference: no copy of θ per checkpoint
