@@ -30,6 +30,33 @@
  *     acc[i] += (double)x_i * alpha for the little-endian float32 values of payload.
  * finite_f32(payload) -> bool
  *     Every float32 value of payload is finite (its exponent bits are not all ones).
+ *
+ * The coordinator's blockwise commit (diloco/coordinator/commit_blocks.py): the outer step,
+ * the downlink's error feedback and the norms, element by element over a block of a tensor,
+ * with small scratch buffers instead of full-size temporaries. The same IEEE float32
+ * operations as torch's SGD with Nesterov momentum (torch/optim/sgd.py
+ * _single_tensor_sgd, whose add-with-alpha is a fused multiply-add: explicit fmaf here),
+ * WeightedMean.mean and ErrorFeedback, in the same order; commit_blocks checks that bit for
+ * bit against torch on this machine before it uses them, and takes torch's path otherwise.
+ * sumsq_f32(x, lanes) -> None
+ *     lanes[i % 16] += (double)x[i] * (double)x[i] (lanes: 16 writable float64). A norm is
+ *     the square root of the sum, over tensors in order, of lanes_sum of each tensor's lanes;
+ *     the lanes of a tensor taken in blocks that start at multiples of 16 are the same as of
+ *     one call over it.
+ * lanes_sum(lanes) -> float
+ *     The 16 lanes added in a fixed tree.
+ * outer_pass(sums, W, mom, mom_mode, write_mom, mu, nlr, theta, resid, beta, x_out, lanes_g,
+ *            lanes_u, cb, stats) -> None
+ *     For n elements (theta: n float32, sums: n float64): g = (float)(sums / W);
+ *     mom_mode 0 (no momentum): v = g; 1 (no buffer yet): b = g, 2: b = mom * mu + g, then
+ *     v = fmaf(mu, b, g) (b written to mom when write_mom); u = fmaf(nlr, v, theta) - theta;
+ *     x = u + resid (beta 1) or u + resid * beta (resid None: x = u), written to x_out when
+ *     given. lanes_g and lanes_u (None or 16 float64) take g's and u's squares as sumsq_f32
+ *     does; with cb > 0, stats (2 float64) takes, per block of cb elements of x from the
+ *     start, count * absmax^2 into stats[0], and 1 into stats[1] where an x is not finite.
+ * outer_apply(x, sent, theta, resid_out, lanes) -> None
+ *     theta += sent (in place); resid_out = x - sent when given; lanes (None or 16 float64)
+ *     take sent's squares as sumsq_f32 does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -290,6 +317,268 @@ static PyObject *finite_f32(PyObject *self, PyObject *args) {
     return PyBool_FromLong(!bad);
 }
 
+/* ---- the blockwise commit ---------------------------------------------------------- */
+
+#define LANES 16
+#define TILE 512 /* elements computed at a time into the stack buffers below: a multiple of LANES */
+
+static inline __attribute__((always_inline)) void sumsq_acc(const float *x, Py_ssize_t n, double *lanes) {
+    double acc[LANES];
+    memcpy(acc, lanes, sizeof acc);
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            double v = x[i + j];
+            acc[j] += v * v;
+        }
+    for (int j = 0; i + j < n; j++) {
+        double v = x[i + j];
+        acc[j] += v * v;
+    }
+    memcpy(lanes, acc, sizeof acc);
+}
+
+static double lanes_total(const double *lanes) {
+    double a[8], b[4];
+    for (int j = 0; j < 8; j++) a[j] = lanes[j] + lanes[j + 8];
+    for (int j = 0; j < 4; j++) b[j] = a[j] + a[j + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef struct {
+    const double *sums;
+    double W;
+    float *mom;
+    int mom_mode, write_mom, beta_one;
+    float mu, nlr, beta;
+    const float *theta, *resid;
+    float *x_out;
+    double *lanes_g, *lanes_u;
+    Py_ssize_t n, cb;
+    double *stats;
+} PassArgs;
+
+/* max |x| over n values as bits with the sign cleared (block_absmax's order, no flag). */
+static inline __attribute__((always_inline)) uint32_t abs_bits_max(const float *x, Py_ssize_t n, uint32_t m) {
+    const uint32_t *bits = (const uint32_t *)x;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t a = bits[i] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+static inline __attribute__((always_inline)) void outer_pass_loop(const PassArgs *a) {
+    float g[TILE], b[TILE], u[TILE], xb[TILE];
+    uint32_t amax = 0;
+    Py_ssize_t in_block = 0; /* elements of the current cb-block seen */
+    for (Py_ssize_t i0 = 0; i0 < a->n; i0 += TILE) {
+        Py_ssize_t m = a->n - i0 < TILE ? a->n - i0 : TILE;
+        const double *s = a->sums + i0;
+        const float *th = a->theta + i0;
+        for (Py_ssize_t j = 0; j < m; j++) g[j] = (float)(s[j] / a->W);
+        if (a->lanes_g) sumsq_acc(g, m, a->lanes_g);
+        const float *v = g;
+        if (a->mom_mode) {
+            if (a->mom_mode == 2) {
+                const float *mo = a->mom + i0;
+                for (Py_ssize_t j = 0; j < m; j++) b[j] = mo[j] * a->mu + g[j];
+            } else {
+                memcpy(b, g, m * sizeof(float));
+            }
+            if (a->write_mom) memcpy(a->mom + i0, b, m * sizeof(float));
+            for (Py_ssize_t j = 0; j < m; j++) b[j] = fmaf(a->mu, b[j], g[j]);
+            v = b;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) u[j] = fmaf(a->nlr, v[j], th[j]) - th[j];
+        if (a->lanes_u) sumsq_acc(u, m, a->lanes_u);
+        const float *x = u;
+        if (a->resid) {
+            const float *e = a->resid + i0;
+            if (a->beta_one)
+                for (Py_ssize_t j = 0; j < m; j++) xb[j] = u[j] + e[j];
+            else
+                for (Py_ssize_t j = 0; j < m; j++) xb[j] = u[j] + e[j] * a->beta;
+            x = xb;
+        }
+        if (a->x_out) memcpy(a->x_out + i0, x, m * sizeof(float));
+        if (a->cb > 0) {
+            for (Py_ssize_t j = 0; j < m;) {
+                Py_ssize_t take = a->cb - in_block < m - j ? a->cb - in_block : m - j;
+                amax = abs_bits_max(x + j, take, amax);
+                j += take;
+                in_block += take;
+                if (in_block == a->cb || i0 + j == a->n) {
+                    float am;
+                    memcpy(&am, &amax, 4);
+                    if (amax >= 0x7F800000u) a->stats[1] = 1.0;
+                    else a->stats[0] += (double)in_block * ((double)am * (double)am);
+                    amax = 0;
+                    in_block = 0;
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void outer_apply_loop(const float *x, const float *sent, float *theta, float *resid_out, double *lanes, Py_ssize_t n) {
+    for (Py_ssize_t i0 = 0; i0 < n; i0 += TILE) {
+        Py_ssize_t m = n - i0 < TILE ? n - i0 : TILE;
+        const float *st = sent + i0;
+        float *th = theta + i0;
+        for (Py_ssize_t j = 0; j < m; j++) th[j] = th[j] + st[j];
+        if (resid_out) {
+            const float *xs = x + i0;
+            float *r = resid_out + i0;
+            for (Py_ssize_t j = 0; j < m; j++) r[j] = xs[j] - st[j];
+        }
+        if (lanes) sumsq_acc(st, m, lanes);
+    }
+}
+
+/* The same loops compiled for x86 CPUs with FMA (fmaf one instruction, wider vectors) and
+ * picked at run time; the arithmetic is the same IEEE operations either way. Elsewhere, one
+ * build (aarch64's fmaf is an instruction). */
+static void outer_pass_base(const PassArgs *a) { outer_pass_loop(a); }
+static void outer_apply_base(const float *x, const float *s, float *t, float *r, double *l, Py_ssize_t n) { outer_apply_loop(x, s, t, r, l, n); }
+static void sumsq_base(const float *x, Py_ssize_t n, double *lanes) { sumsq_acc(x, n, lanes); }
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2,fma"))) static void outer_pass_fma(const PassArgs *a) { outer_pass_loop(a); }
+__attribute__((target("avx2,fma"))) static void outer_apply_fma(const float *x, const float *s, float *t, float *r, double *l, Py_ssize_t n) {
+    outer_apply_loop(x, s, t, r, l, n);
+}
+__attribute__((target("avx2,fma"))) static void sumsq_fma(const float *x, Py_ssize_t n, double *lanes) { sumsq_acc(x, n, lanes); }
+static int has_fma = 0;
+#define PICK(name) (has_fma ? name##_fma : name##_base)
+#else
+#define PICK(name) name##_base
+#endif
+
+/* An optional buffer argument: None (b->buf = NULL, returns 0) or a contiguous buffer of
+ * exactly ``bytes`` bytes (returns 1); -1 with an exception set otherwise. */
+static int opt_buffer(PyObject *o, Py_buffer *b, int writable, Py_ssize_t bytes, const char *what) {
+    b->buf = NULL;
+    b->obj = NULL;
+    if (o == Py_None) return 0;
+    if (PyObject_GetBuffer(o, b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+    if (b->len != bytes) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", what, b->len, bytes);
+        PyBuffer_Release(b);
+        b->buf = NULL;
+        b->obj = NULL;
+        return -1;
+    }
+    return 1;
+}
+
+static void release_all(Py_buffer *bufs, int count) {
+    for (int i = 0; i < count; i++)
+        if (bufs[i].obj) PyBuffer_Release(&bufs[i]);
+}
+
+static PyObject *sumsq_f32(PyObject *self, PyObject *args) {
+    Py_buffer xb, lb;
+    PyObject *lanes;
+    if (!PyArg_ParseTuple(args, "y*O", &xb, &lanes)) return NULL;
+    int got = xb.len % 4 ? -1 : opt_buffer(lanes, &lb, 1, LANES * 8, "sumsq_f32: lanes");
+    if (got > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        PICK(sumsq)((const float *)xb.buf, xb.len / 4, (double *)lb.buf);
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&lb);
+    } else if (got == 0 || xb.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "sumsq_f32: x must be float32 and lanes 16 float64");
+    }
+    PyBuffer_Release(&xb);
+    return got > 0 ? Py_NewRef(Py_None) : NULL;
+}
+
+static PyObject *lanes_sum(PyObject *self, PyObject *args) {
+    Py_buffer lb;
+    if (!PyArg_ParseTuple(args, "y*", &lb)) return NULL;
+    PyObject *result = NULL;
+    if (lb.len != LANES * 8) PyErr_SetString(PyExc_ValueError, "lanes_sum: lanes must be 16 float64");
+    else result = PyFloat_FromDouble(lanes_total((const double *)lb.buf));
+    PyBuffer_Release(&lb);
+    return result;
+}
+
+static PyObject *outer_pass(PyObject *self, PyObject *args) {
+    Py_buffer sb, tb, bufs[6]; /* mom, resid, x_out, lanes_g, lanes_u, stats */
+    PyObject *mom, *resid, *x_out, *lanes_g, *lanes_u, *stats;
+    PassArgs a;
+    double beta;
+    if (!PyArg_ParseTuple(args, "y*dOiiffy*OdOOOnO", &sb, &a.W, &mom, &a.mom_mode, &a.write_mom, &a.mu, &a.nlr, &tb, &resid, &beta, &x_out, &lanes_g, &lanes_u,
+                          &a.cb, &stats))
+        return NULL;
+    PyObject *result = NULL;
+    for (int i = 0; i < 6; i++) bufs[i].obj = NULL;
+    a.n = tb.len / 4;
+    if (tb.len % 4 || sb.len != 8 * a.n || a.mom_mode < 0 || a.mom_mode > 2 || a.cb < 0) {
+        PyErr_SetString(PyExc_ValueError, "outer_pass: sums (float64), theta (float32) or a mode do not agree");
+        goto done;
+    }
+    int got[6];
+    got[0] = opt_buffer(mom, &bufs[0], a.write_mom, 4 * a.n, "outer_pass: mom");
+    got[1] = got[0] < 0 ? -1 : opt_buffer(resid, &bufs[1], 0, 4 * a.n, "outer_pass: resid");
+    got[2] = got[1] < 0 ? -1 : opt_buffer(x_out, &bufs[2], 1, 4 * a.n, "outer_pass: x_out");
+    got[3] = got[2] < 0 ? -1 : opt_buffer(lanes_g, &bufs[3], 1, LANES * 8, "outer_pass: lanes_g");
+    got[4] = got[3] < 0 ? -1 : opt_buffer(lanes_u, &bufs[4], 1, LANES * 8, "outer_pass: lanes_u");
+    got[5] = got[4] < 0 ? -1 : opt_buffer(stats, &bufs[5], 1, 2 * 8, "outer_pass: stats");
+    if (got[5] < 0) goto done;
+    if ((a.mom_mode == 2 || a.write_mom) && !got[0]) {
+        PyErr_SetString(PyExc_ValueError, "outer_pass: this momentum mode needs mom");
+        goto done;
+    }
+    if (a.cb > 0 && !got[5]) {
+        PyErr_SetString(PyExc_ValueError, "outer_pass: cb > 0 needs stats");
+        goto done;
+    }
+    a.sums = (const double *)sb.buf;
+    a.theta = (const float *)tb.buf;
+    a.mom = (float *)bufs[0].buf;
+    a.resid = (const float *)bufs[1].buf;
+    a.x_out = (float *)bufs[2].buf;
+    a.lanes_g = (double *)bufs[3].buf;
+    a.lanes_u = (double *)bufs[4].buf;
+    a.stats = (double *)bufs[5].buf;
+    a.beta_one = beta == 1.0;
+    a.beta = (float)beta;
+    Py_BEGIN_ALLOW_THREADS
+    PICK(outer_pass)(&a);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release_all(bufs, 6);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&tb);
+    return result;
+}
+
+static PyObject *outer_apply(PyObject *self, PyObject *args) {
+    Py_buffer xb, sb, tb, bufs[2]; /* resid_out, lanes */
+    PyObject *resid_out, *lanes;
+    if (!PyArg_ParseTuple(args, "y*y*w*OO", &xb, &sb, &tb, &resid_out, &lanes)) return NULL;
+    PyObject *result = NULL;
+    bufs[0].obj = bufs[1].obj = NULL;
+    Py_ssize_t n = tb.len / 4;
+    if (tb.len % 4 || xb.len != tb.len || sb.len != tb.len) {
+        PyErr_SetString(PyExc_ValueError, "outer_apply: x, sent and theta must be float32 of one length");
+        goto done;
+    }
+    if (opt_buffer(resid_out, &bufs[0], 1, 4 * n, "outer_apply: resid_out") < 0 || opt_buffer(lanes, &bufs[1], 1, LANES * 8, "outer_apply: lanes") < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    PICK(outer_apply)((const float *)xb.buf, (const float *)sb.buf, (float *)tb.buf, (float *)bufs[0].buf, (double *)bufs[1].buf, n);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release_all(bufs, 2);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&tb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "int8 blockwise encode (see the file's comment)"},
     {"decode", decode, METH_VARARGS, "int8 blockwise decode (see the file's comment)"},
@@ -298,9 +587,19 @@ static PyMethodDef methods[] = {
     {"accumulate_sparse", accumulate_sparse, METH_VARARGS, "sparse float32 values added into float64 (see the file's comment)"},
     {"accumulate_f32", accumulate_f32, METH_VARARGS, "float32 values added into float64 (see the file's comment)"},
     {"finite_f32", finite_f32, METH_VARARGS, "every float32 value is finite (see the file's comment)"},
+    {"sumsq_f32", sumsq_f32, METH_VARARGS, "float32 squares added into 16 float64 lanes (see the file's comment)"},
+    {"lanes_sum", lanes_sum, METH_VARARGS, "16 float64 lanes added in a fixed tree (see the file's comment)"},
+    {"outer_pass", outer_pass, METH_VARARGS, "the blockwise commit's outer step over a block (see the file's comment)"},
+    {"outer_apply", outer_apply, METH_VARARGS, "the blockwise commit's update applied over a block (see the file's comment)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8_native", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__int8_native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__int8_native(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    has_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return PyModule_Create(&module);
+}

@@ -57,6 +57,12 @@ class Codec(Protocol):
     def max_encoded_size(self, numel: int) -> int: ...
 
 
+def check_out(out: torch.Tensor, numel: int) -> None:
+    """``decode_into``'s check of the tensor it writes: contiguous float32 of ``numel`` elements."""
+    if out.numel() != numel or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"decode_into needs a contiguous float32 tensor of {numel} elements, got {out.dtype} {list(out.shape)}")
+
+
 class Fp32Codec:
     """Raw little-endian float32: the lossless reference. No header: 4 * numel bytes.
 
@@ -95,8 +101,7 @@ class Fp32Codec:
         elements): one copy from the payload, no temporary tensor."""
         if len(payload) != 4 * numel:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel} for {numel} elements")
-        if out.numel() != numel or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"decode_into needs a contiguous float32 tensor of {numel} elements, got {out.dtype} {list(out.shape)}")
+        check_out(out, numel)
         if numel:
             out.numpy()[:] = np.frombuffer(payload, dtype="<f4", count=numel)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from diloco.codec.base import CodecError
+from diloco.codec.base import CodecError, check_out
 from diloco.codec.header import (
     HEADER_BYTES,
     as_float32,
@@ -215,6 +215,16 @@ class Int8Codec(_BlockScaled):
         _native.decode(payload, HEADER_BYTES, block, out.numpy())
         return out
 
+    def decode_into(self, payload: bytes, numel: int, out: torch.Tensor) -> None:
+        """``decode`` written into ``out`` (a contiguous float32 CPU tensor of ``numel``
+        elements): no temporary tensor where the C loops are compiled."""
+        check_out(out, numel)
+        block, scales = self._layout(payload, numel)
+        if self.use_native:
+            _native.decode(payload, HEADER_BYTES, block, out.numpy())
+        else:
+            out.copy_(self._dequantize(payload, block, scales, numel))
+
     def _codes(self, ratio: torch.Tensor) -> torch.Tensor:
         return ratio.mul_(127).round_().to(torch.int8)
 
@@ -247,6 +257,16 @@ class Int8Codec(_BlockScaled):
 
     def _values(self, payload: bytes, offset: int, numel: int) -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(payload, dtype=np.int8, count=numel, offset=offset).astype(np.float32))
+
+
+def absmax_bounded_block(codec: object) -> int | None:
+    """The block size B when ``codec`` (or the codec a +zstd one wraps) is blockwise-scaled
+    (int8, int4, e3m0): no value it encodes decodes past its block's absmax in magnitude
+    (every code it writes is at most max_code, and max_code * scale <= absmax), so the
+    decoded values of x are bounded by x's absmax per block of B from a payload's start.
+    None for any other codec."""
+    inner = getattr(codec, "inner", codec)
+    return inner.block if isinstance(inner, _BlockScaled) else None
 
 
 class _NibbleCodec(_BlockScaled):

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diloco.codec import Codec, is_lossless
+from diloco.coordinator import commit_blocks
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.round_state import RoundState
-from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, StackedAggregate, WeightedMean, check_update, l2, params_sha256
+from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, StackedAggregate, WeightedMean, check_update, params_sha256
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import ChunkAssembler, encode_chunks
+from diloco.wire.chunks import zero_chunks
 
 
 @dataclass
@@ -71,6 +73,11 @@ class UpdateEncoder:
         into bytes, bundled, off the commit's path: diloco.coordinator.downlink)."""
         return list(encode_chunks(update, codec=self.codec, chunk_bytes=self.chunk_bytes, views=views))
 
+    def encode_zeros(self, names: Iterable[str]) -> list[Chunk]:
+        """``encode`` of a zero update of ``names`` (the sites' update of a refused round), from
+        one block of zeros: the same chunks, without a zero tensor of the model's size."""
+        return list(zero_chunks({n: self.specs[n] for n in names}, codec=self.codec, chunk_bytes=self.chunk_bytes))
+
     def transmit(self, proposed: dict[str, torch.Tensor], sink: Callable[[list[Chunk]], None]) -> dict[str, torch.Tensor]:
         """Encodes the update once (handed to ``sink``) and returns it decoded, exactly as every
         site will decode it. The encoding error goes into the next round's update (server-side
@@ -119,19 +126,33 @@ def commit(
     encoded update; a mean Δ or an outer step that is not finite, or absurd, rejects the
     round (θ, the optimizer state and the downlink residual stay as they were). ``times``
     (optional) gets the seconds of its parts: mean_s, step_s (the outer step, the downlink's
-    encoding included: encode_s), record_s (the round's record, θ's hash included)."""
+    encoding included: encode_s), record_s (the round's record, θ's hash included; on the
+    blockwise path the hash is taken during the step, and mean_s is its first pass).
+
+    Norms are ``outer.norm``'s. On the blockwise path the step is all or nothing against
+    anything the pushes held (every check runs before the first write); an error of the
+    machine itself midway through its writes (out of memory) propagates, and the coordinator
+    fails and restarts from its last checkpoint."""
     times = times if times is not None else {}
     t0 = time.perf_counter()
     r = state.number
-    mean, refusal = _mean(state, acc)
-    delta_norm = l2(mean) if mean is not None else math.nan
+    refusal = _uncounted(state)
+    # The common round goes block by block, in place (diloco.coordinator.commit_blocks: the
+    # same bits, without full-size temporaries); any other round, the generic path.
+    blocks = commit_blocks.plan(acc, outer, encoder, r) if refusal is None else None
+    mean = None
+    if blocks is not None:
+        delta_norm = blocks.check()  # its first pass: writes nothing
+    else:
+        mean, refusal = _mean(acc) if refusal is None else (None, refusal)
+        delta_norm = outer.norm(mean) if mean is not None else math.nan
     if refusal is None and not math.isfinite(delta_norm):  # its norm is finite exactly when every value is
-        mean, delta_norm, refusal = None, math.nan, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
+        mean, blocks, delta_norm, refusal = None, None, math.nan, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
     if refusal is None:
         verdict = guard.judge(delta_norm)
         refusal = None if verdict.accepted else verdict.describe()
     sent: list[list[Chunk]] = []
-    update = None
+    stepped, digest = False, None
     t1 = time.perf_counter()
     times["mean_s"] = t1 - t0
 
@@ -142,19 +163,22 @@ def commit(
         finally:
             times["encode_s"] = time.perf_counter() - te
 
-    if refusal is None and mean is not None:
+    if refusal is None:
         residual = encoder.feedback.residual if encoder.feedback is not None else None
         try:
-            update = outer.step(mean, transmit=transmit, round=r)
+            if blocks is not None and blocks.sure():
+                digest = blocks.apply(sent.append, times)
+            else:  # the generic step (where the blockwise one cannot be sure of its checks, too)
+                outer.step(mean if mean is not None else acc.mean(), transmit=transmit, round=r)
+            stepped = True
         except OuterStepRefused as e:
             refusal = str(e)
             if encoder.feedback is not None:
                 encoder.feedback.residual = residual  # exactly as it was (carry would merge)
     update_norm = outer.update_norm
-    if update is None:
+    if not stepped:
         # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
-        update = {n: torch.zeros_like(outer.params[n]) for n in state.names}
-        sent[:] = [encoder.encode(update)]
+        sent[:] = [encoder.encode_zeros(state.names)]
         update_norm = 0.0
     t2 = time.perf_counter()
     times["step_s"] = t2 - t1
@@ -179,7 +203,7 @@ def commit(
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         fragment=state.fragment,
-        global_sha256=params_sha256(outer.params),
+        global_sha256=digest if digest is not None else params_sha256(outer.params),
         wall_s=closing.now - state.opened_at,
         elapsed_s=closing.now - closing.started,
         params={n: p.clone() for n, p in outer.params.items()} if closing.snapshot else None,
@@ -188,10 +212,15 @@ def commit(
     return record, sent[0]
 
 
-def _mean(state: RoundState, acc: WeightedMean | StackedAggregate) -> tuple[dict[str, torch.Tensor] | None, str | None]:
-    """The round's mean Δ, or why there is none (its finiteness is judged by its norm)."""
+def _uncounted(state: RoundState) -> str | None:
+    """Why the round has no mean Δ although sites pushed: none of their pushes counted."""
     if state.pushes and not any(state.counted(s) for s in state.pushes):
-        return None, "no pseudo-gradient counted in this round (every push was withheld or refused): θ stays"
+        return "no pseudo-gradient counted in this round (every push was withheld or refused): θ stays"
+    return None
+
+
+def _mean(acc: WeightedMean | StackedAggregate) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """The round's mean Δ, or why there is none (its finiteness is judged by its norm)."""
     try:
         return acc.mean(), None
     except (ValueError, RuntimeError) as e:

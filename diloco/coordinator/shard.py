@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from diloco.coordinator import kernels
 from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder, commit
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.guard import SpikeGuard
@@ -49,7 +50,10 @@ class Shard:
         ValueError: more fragments than the model has layers."""
         cfg = self.cfg
         average_from = averaged_from(cfg.total_rounds, cfg.flush_rounds, self.outer_cfg.final_average, last=cfg.fragments if cfg.frozen_end else 1)
-        outer = OuterOptimizer(params, self.outer_cfg, steps=-(-cfg.total_rounds // cfg.fragments), fragments=cfg.fragments, average_from=average_from)
+        outer = OuterOptimizer(
+            params, self.outer_cfg, steps=-(-cfg.total_rounds // cfg.fragments), fragments=cfg.fragments, average_from=average_from, norm=kernels.norm
+        )
+        kernels.available()  # checked once per process, here rather than in the first commit
         specs = fingerprint(outer.params)
         self.split = split_fragments({n: p.shape for n, p in outer.params.items()}, cfg.fragments, cfg.fragment_split)
         self.outer, self.specs = outer, specs
@@ -111,10 +115,11 @@ class Shard:
 
     # ---- what a checkpoint holds of it -------------------------------------------------------
     def checkpoint(self) -> dict[str, Any]:
-        """By reference: no commit can move it before it is written."""
+        """By reference, θ included: no commit can move it before it is written (the round
+        stays closing until its checkpoint is on disk: Coordinator._publish)."""
         assert self.outer is not None and self.encoder is not None
         return {
-            "outer": self.outer.state_dict(),
+            "outer": self.outer.state_dict(clone=False),
             "down_residual": self.encoder.feedback.residual if self.encoder.feedback is not None else None,
             "guard_history": self.guard.history,
             "init_from": self.init_from,

@@ -101,6 +101,15 @@ class WeightedMean:
             raise ValueError(f"weight must be > 0, got {weight}")
         self.total_weight += weight
 
+    def sums(self) -> tuple[dict[str, torch.Tensor], float] | None:
+        """The float64 sums Σ w_s·Δ_s (by reference, name -> tensor) and the total weight that
+        ``mean`` divides them by, for a caller that takes the mean block by block
+        (``torch.div(sum, total_weight)`` rounded to float32, as ``mean`` does): only for
+        ``mean`` with a contribution; None otherwise."""
+        if self._weight is not None or self.count == 0 or len(self._sum) != len(self._shapes):
+            return None
+        return self._sum, self.total_weight
+
     def mean(self) -> dict[str, torch.Tensor]:
         if self.count == 0:
             raise ValueError("no contributions to average")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,21 +82,39 @@ class OuterConfig:
 ABSURD_UPDATE_RATIO = 100.0
 
 
+@dataclass(frozen=True)
+class NesterovStep:
+    """One round's step when it is plain torch SGD with Nesterov momentum
+    (``OuterOptimizer.nesterov_step``): its lr and momentum, and each stepped parameter's
+    momentum buffer (None: none yet; torch's first step starts it as the gradient)."""
+
+    lr: float
+    momentum: float
+    buffers: dict[str, torch.Tensor | None]
+
+
 class OuterStepRefused(ValueError):
     """The outer step would have made θ non-finite or absurd; θ and the optimizer state are
     as they were before it."""
 
 
-def check_update(name: str, update: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None, size: float | None = None) -> float:
+Norm = Callable[[Mapping[str, torch.Tensor]], float]
+
+
+def check_update(
+    name: str, update: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None, size: float | None = None, norm: Norm | None = None
+) -> float:
     """Raises OuterStepRefused if ``update`` is non-finite, or absurd against ``params``;
-    returns its norm. ``size``: ``l2(update)`` when the caller has it already."""
-    size = l2(update) if size is None else size
+    returns its norm. ``size``: ``norm(update)`` when the caller has it already; ``norm``:
+    the L2 norm to measure with (``l2`` unless given)."""
+    norm = l2 if norm is None else norm
+    size = norm(update) if size is None else size
     if not math.isfinite(size):
         raise OuterStepRefused(f"the {name} is not finite")
     # The limit is at least ABSURD_UPDATE_RATIO: below that, |θ| need not be measured.
     if params is None or size <= ABSURD_UPDATE_RATIO:
         return size
-    limit = ABSURD_UPDATE_RATIO * max(l2(params), 1.0)
+    limit = ABSURD_UPDATE_RATIO * max(norm(params), 1.0)
     if size > limit:
         raise OuterStepRefused(f"the {name} has norm {size:.4g}, over {ABSURD_UPDATE_RATIO:g} x max(|θ|, 1) = {limit:.4g}")
     return size
@@ -161,11 +179,21 @@ class OuterOptimizer:
     With a schedule (``cfg.schedule``), the step of round ``r`` takes the lr and momentum of
     outer step k = r // ``fragments`` of ``steps``: a pure function of the round, so a
     restored optimizer goes on with exactly the values it would have had.
+
+    ``norm``: how the step measures updates and θ (``l2`` unless given; the coordinator's
+    is diloco.coordinator.kernels.norm, which its blockwise commit reproduces).
     """
 
     def __init__(
-        self, params: Mapping[str, torch.Tensor], cfg: OuterConfig, steps: int | None = None, fragments: int = 1, average_from: int | None = None
+        self,
+        params: Mapping[str, torch.Tensor],
+        cfg: OuterConfig,
+        steps: int | None = None,
+        fragments: int = 1,
+        average_from: int | None = None,
+        norm: Norm = l2,
     ) -> None:
+        self.norm = norm
         self.names = sorted(params)
         self.params = {n: params[n].detach().clone().float() for n in self.names}
         self.cfg = cfg
@@ -205,7 +233,7 @@ class OuterOptimizer:
         before = {n: self.params[n].clone() for n in names}
         saved = self._save_state()
         try:
-            if self.average_from is not None and round is not None and round >= self.average_from:
+            if self.averages(round):
                 proposed = {n: -mean_delta[n].detach().float() for n in names}
                 for n in names:
                     self.params[n].add_(proposed[n])
@@ -221,10 +249,10 @@ class OuterOptimizer:
                     proposed[n] = p - before[n]
                     p.grad = None
             # The parameters hold θ' until the end: θ_{r+1} is written from θ_r and ũ below.
-            size = check_update("proposed update", proposed, before)
+            size = check_update("proposed update", proposed, before, norm=self.norm)
             sent = transmit(proposed) if transmit is not None else proposed
             if sent is not proposed:
-                size = check_update("update as sent", sent, before)
+                size = check_update("update as sent", sent, before, norm=self.norm)
         except Exception as e:
             for n in names:
                 self.params[n].grad = None
@@ -237,6 +265,51 @@ class OuterOptimizer:
             torch.add(before[n], sent[n], out=self.params[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
         self.update_norm = size
         return sent
+
+    def averages(self, round: int | None) -> bool:
+        """Round ``round`` is an averaging round (θ − mean Δ, no outer step)."""
+        return self.average_from is not None and round is not None and round >= self.average_from
+
+    def nesterov_step(self, names: Iterable[str], round: int) -> NesterovStep | None:
+        """Round ``round``'s step of ``names`` when it is torch's SGD with Nesterov momentum and
+        nothing more (one group, no weight decay, dampening or maximize, no foreach, fused or
+        differentiable flag, a number for lr, not an averaging round, every momentum buffer
+        a contiguous float32 tensor of its parameter's shape): its lr and momentum and the
+        buffers; None otherwise (``step`` takes it). For a caller that computes exactly that
+        step itself, in place (diloco.coordinator.commit_blocks), then calls ``stepped``."""
+        opt = self._opt
+        if self.averages(round) or type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+            return None
+        group = opt.param_groups[0]
+        plain = {"nesterov": True, "weight_decay": 0, "dampening": 0, "maximize": False}
+        if any(group.get(k) != v for k, v in plain.items()) or any(group.get(k) for k in ("foreach", "fused", "differentiable")):
+            return None
+        settings = {"lr": group["lr"], "momentum": group["momentum"], **self.hyperparameters(round)}
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in settings.values()):
+            return None
+        buffers = {}
+        for n in names:
+            p = self.params[n]
+            buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+            if buf is not None and not (
+                torch.is_tensor(buf) and buf.dtype == torch.float32 and buf.is_contiguous() and buf.shape == p.shape and buf.device == p.device
+            ):
+                return None
+            buffers[n] = buf
+        return NesterovStep(float(settings["lr"]), float(settings["momentum"]), buffers)
+
+    def stepped(self, round: int, step: NesterovStep, buffers: Mapping[str, torch.Tensor], size: float) -> None:
+        """Records a step that ``nesterov_step`` described and its caller applied: θ and the
+        momentum buffers written in place (``buffers``: every stepped parameter's, those made
+        by this step included), ``size`` the norm of the update applied. The optimizer is then
+        as torch's step would have left it: its group holds the round's lr and momentum, and a
+        momentum of 0 leaves its state untouched."""
+        for group in self._opt.param_groups:
+            group.update(self.hyperparameters(round))
+        if step.momentum != 0:
+            for n, buf in buffers.items():
+                self._opt.state[self.params[n]]["momentum_buffer"] = buf
+        self.update_norm = size
 
     def momentum_buffers(self) -> dict[str, torch.Tensor]:
         """Every parameter's momentum buffer (float32; views, read them under the caller's lock),
@@ -263,8 +336,12 @@ class OuterOptimizer:
         for group, settings in zip(self._opt.param_groups, groups):
             group.update(settings)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": {n: p.clone() for n, p in self.params.items()}, "optimizer": self._opt.state_dict()}
+    def state_dict(self, clone: bool = True) -> dict[str, Any]:
+        """θ and the optimizer's state. ``clone=False``: θ by reference, as the optimizer's state
+        always is (torch's ``state_dict`` does not copy it), for a caller that writes it out
+        before the next step can move it (a coordinator's checkpoint)."""
+        params = {n: p.clone() for n, p in self.params.items()} if clone else dict(self.params)
+        return {"params": params, "optimizer": self._opt.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores θ and the optimizer state saved by ``state_dict`` (same names and shapes)."""

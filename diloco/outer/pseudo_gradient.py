@@ -32,12 +32,18 @@ def apply_update(global_params: Mapping[str, torch.Tensor], update: Mapping[str,
         global_params[name].add_(u)
 
 
+def tensor_header(name: str, t: torch.Tensor) -> bytes:
+    """What ``params_sha256`` hashes of a tensor before its bytes: its name, shape and dtype."""
+    return f"{name}|{list(t.shape)}|{t.dtype}|".encode()
+
+
 def params_sha256(params: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over name, shape, dtype and raw bytes of each tensor, in name order."""
+    """SHA-256 over name, shape, dtype and raw bytes of each tensor, in name order (a caller
+    that writes θ block by block feeds the same bytes as it goes: diloco.coordinator.commit_blocks)."""
     h = hashlib.sha256()
     for name in sorted(params):
         t = params[name].detach().contiguous().cpu()
-        h.update(f"{name}|{list(t.shape)}|{t.dtype}|".encode())
+        h.update(tensor_header(name, t))
         if t.numel():
             h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy of it
     return h.hexdigest()

@@ -52,8 +52,8 @@ def encode_chunks(
             if not box.is_whole(full):
                 shape, box_start, box_shape = tuple(full), box.start, box.shape
         flat = t.detach().reshape(-1)
-        for offset in range(0, max(flat.numel(), 1), step):
-            piece = flat[offset : offset + step]
+        for offset, numel in chunk_ranges(flat.numel(), step):
+            piece = flat[offset : offset + numel]
             yield Chunk(
                 name=name,
                 shape=shape,
@@ -67,15 +67,29 @@ def encode_chunks(
             )
 
 
+def zero_chunks(specs: Mapping[str, TensorSpec], *, codec: Codec, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[Chunk]:
+    """``encode_chunks``' chunks of float32 zero tensors of these specs, every payload encoded
+    from one block of zeros: no zero tensor of the model's size."""
+    step = codec.max_chunk_numel(chunk_bytes)
+    zeros = torch.zeros(min(step, max((_numel(s.shape) for s in specs.values()), default=0)))
+    for name in sorted(specs):
+        spec = specs[name]
+        for offset, numel in chunk_ranges(_numel(spec.shape), step):
+            yield Chunk(name=name, shape=spec.shape, dtype=spec.dtype, offset=offset, numel=numel, codec=codec.name, payload=codec.encode(zeros[:numel]))
+
+
+def chunk_ranges(numel: int, step: int) -> Iterator[tuple[int, int]]:
+    """(offset, numel) of each chunk ``encode_chunks`` cuts a tensor of ``numel`` elements
+    into, ``step`` elements each but the last: one empty chunk for an empty tensor."""
+    for offset in range(0, max(numel, 1), step):
+        yield offset, min(step, numel - offset)
+
+
 def encoded_bytes(numels: Iterable[int], *, codec: Codec, chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
     """The payload bytes ``encode_chunks`` produces for tensors of these element counts:
     ``encoded_size`` chunk by chunk (exact, except an upper bound for +zstd codecs)."""
     step = codec.max_chunk_numel(chunk_bytes)
-    total = 0
-    for n in numels:
-        for offset in range(0, max(n, 1), step):
-            total += codec.encoded_size(min(step, n - offset))
-    return total
+    return sum(codec.encoded_size(k) for n in numels for _, k in chunk_ranges(n, step))
 
 
 def unbundled(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
