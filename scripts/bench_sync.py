@@ -167,9 +167,7 @@ def ours_coordinator(a: argparse.Namespace) -> None:
         _keep_freed_memory()
     theta = {n: p.detach().clone() for n, p in _model(a.layers).named_parameters()}
     work = Path(a.work)
-    cfg = CoordinatorConfig(
-        total_rounds=a.rounds, min_sites=2, max_sites=2, checkpoint_dir=None if a.no_checkpoint else str(work / "checkpoints")
-    )
+    cfg = CoordinatorConfig(total_rounds=a.rounds, min_sites=2, max_sites=2, checkpoint_dir=None if a.no_checkpoint else str(work / "checkpoints"))
     coord = Coordinator(theta, OuterConfig(), cfg)
     server, port = serve(coord, "127.0.0.1", 0)
     stop_ticker = coord.start_ticker()
