@@ -107,6 +107,7 @@ def _serve_run(
     theta0, source = initial_params(cfg)
     evaluate = coordinator_evaluator(cfg, theta0, log)
     coordinator = Coordinator(theta0, cfg.outer_step, coordinator_config(cfg, opts, source, evaluate is not None))
+    del theta0  # the coordinator holds its own copy: this one would stay for the whole run (4 bytes a parameter)
     resumed = None
     if opts.checkpoint_dir:
         resumed = _resume(coordinator, Path(opts.checkpoint_dir), log)
