@@ -305,17 +305,38 @@ def _hash_worker_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
 class _Digest:
     """A SHA-256 fed on one worker thread, in the order of ``update`` (hashlib releases the GIL
     on large buffers, the compiled loops too: a block is hashed while the next is computed).
-    A buffer must not change until ``hexdigest``."""
+    Buffers go to the worker in batches of about ``_BATCH`` bytes (a job per buffer cost more
+    than the hashing itself for models of thousands of small tensors). A buffer must not change
+    until ``hexdigest``."""
+
+    _BATCH = 1 << 22
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
         self._pending: list[concurrent.futures.Future[None]] = []
+        self._batch: list[bytes | np.ndarray] = []
+        self._bytes = 0
 
     def update(self, data: bytes | np.ndarray) -> None:
-        if len(data):
-            self._pending.append(_hash_worker().submit(self._h.update, data))
+        n = data.nbytes if isinstance(data, np.ndarray) else len(data)
+        if n:
+            self._batch.append(data)
+            self._bytes += n
+            if self._bytes >= self._BATCH:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            batch, self._batch, self._bytes = self._batch, [], 0
+            self._pending.append(_hash_worker().submit(_feed, self._h, batch))
 
     def hexdigest(self) -> str:
+        self._flush()
         for f in self._pending:
             f.result()
         return self._h.hexdigest()
+
+
+def _feed(h: hashlib._Hash, batch: list[bytes | np.ndarray]) -> None:
+    for data in batch:
+        h.update(data)
