@@ -24,20 +24,24 @@ PLACEMENTS = ("hosts", "one_host", "beside_sites")
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "e3m0", "topk2bit")
 
 # The coordinator's CPU, measured on the 2-core AMD EPYC development machine (one core for the
-# coordinator process) by scripts/bench_coordinator.py at 20M parameters, 4 sites pushing int8.
-# Placeholders: re-measure them with that script on the coordinator's own hardware. End to end
-# through gRPC the coordinator spent ~0.77 CPU-s per round of 4 x 20M pushed parameters, commit
-# included; these three figures give 0.50 of it (docs/plan.md).
-# - Ingest after gRPC has the bytes: decode a pushed parameter and add it into the round's float64
-#   sum, parameters per second of one core. Only int8 was measured (~1.0e9, in process); the other
-#   codecs take its figure until `bench_coordinator.py rates` measures each.
-MEASURED_INGEST_PARAMS_PER_S: dict[str, float] = {name: 1.0e9 for name in CODECS}
+# coordinator process) by scripts/bench_coordinator.py on 2026-12-08 (docs/measurements/coordinator.md):
+# re-measure them with that script on the coordinator's own hardware.
+# - Ingest once gRPC has the bytes: the server's parse, the checks, and the add into the round's
+#   float64 sum, parameters per second of one core per push (`bench_coordinator.py intake`, 50M
+#   parameters, medians of 3 runs). fp16 and bf16 were not measured: they are decoded into float32
+#   before the add, the path every codec took before issue 37 (~0.2e9 then).
+MEASURED_INGEST_PARAMS_PER_S: dict[str, float] = {
+    "fp32": 1.05e9, "fp16": 0.2e9, "bf16": 0.2e9, "int8": 1.67e9, "int4": 0.8e9, "e3m0": 0.88e9, "topk2bit": 1.05e9,
+}  # fmt: skip
 # - Receiving and sending gRPC messages: the bench's loopback ceiling, bytes per CPU-second of the
-#   server process (0.71 CPU-s per GB).
-MEASURED_GRPC_BYTES_PER_CPU_S = 1.4e9
-# - The commit, CPU-seconds per parameter of a shard's range: outer step, downlink encoding, hash,
-#   checkpoint.
-MEASURED_COMMIT_S_PER_PARAM = 1.5e-8
+#   server process (0.598 CPU-s per GB).
+MEASURED_GRPC_BYTES_PER_CPU_S = 1.67e9
+# - The commit, CPU-seconds per parameter of a shard's range: the outer step, the downlink's
+#   encoding and θ's hash (~0.6 s at 100M), and the checkpoint (~2.2 s at 100M: 12 bytes a
+#   parameter written, checksummed and synced on this machine's disk), with the round's other fixed
+#   work: the intercept of the coordinator's CPU per round against the number of sites (`sites`,
+#   100M int8, 1 to 32 sites: 3.7 s).
+MEASURED_COMMIT_S_PER_PARAM = 3.7e-8
 # A coordinator that costs nothing (the links alone), for a caller whose overhead_s already holds
 # the coordinator's measured cost: Plan(..., **NO_COORDINATOR_CPU).
 NO_COORDINATOR_CPU: dict[str, float] = {"ingest_params_per_s": math.inf, "grpc_bytes_per_cpu_s": math.inf, "commit_s_per_param": 0.0}

@@ -61,7 +61,7 @@ def test_json_has_the_model_numbers() -> None:
 
 def test_json_says_null_when_latency_alone_prevents_a_target() -> None:
     # 4 s of round trips per 10 s round: never 80%. The links alone: the coordinator's CPU at its
-    # measured cost (42 CPU-s a round for 4 x 1e9 fp32 pushes) would keep even 50% out of reach.
+    # measured cost (60 CPU-s a round for 4 x 1e9 fp32 pushes) would keep even 50% out of reach.
     run = plan_cli("--json", "rtt_ms=4000", "ingest_params_per_s=inf", "grpc_bytes_per_cpu_s=inf", "commit_s_per_param=0")
     assert run.returncode == 0, run.stderr
     needed = json.loads(run.stdout)["bandwidth_needed_gbit"]
