@@ -56,9 +56,13 @@ class CoordinatorOptions:
     max_rpcs: int = setting(128, doc="concurrent calls in all; more are refused at once (sites retry)")
     max_rpcs_per_site: int = setting(32, doc="concurrent calls naming one site id")
     stream_idle_s: float = setting(30.0, doc="a push or pull that moves no message this long is cancelled")
-    max_concurrent_pushes: int = setting(2, doc="pushes held at once (each its payloads, or a float32 staging copy); memory O(params x this), whatever the sites")
+    max_concurrent_pushes: int = setting(
+        2, doc="pushes held at once (each its payloads, or a float32 staging copy); memory O(params x this), whatever the sites"
+    )
     staging_timeout_s: float = setting(30.0, doc="a push waits this long for one of those slots, then is told to retry (resource_exhausted)")
-    staging_stall_s: float = setting(2.0, doc="a held push that waited this long for its next chunk gives its slot to a waiting push and is refused (retried); .inf: never")
+    staging_stall_s: float = setting(
+        2.0, doc="a held push that waited this long for its next chunk gives its slot to a waiting push and is refused (retried); .inf: never"
+    )
     reflection: bool = setting(False, doc="gRPC server reflection too (grpcurl lists the services); the standard health service is always on")
     metrics: MetricsConfig = setting(doc="this process's Prometheus endpoint (the metrics section)", factory=MetricsConfig)
     status: StatusConfig = setting(doc="the read-only status page (the status section)", factory=StatusConfig)
