@@ -52,6 +52,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # before every good site pushed, and starts from θ₀).
         refusals = popen_logged(torchrun(2, "user_ranks_refusals.py", "--coordinator", address, "--out", str(d / "refusals.json")), d / "refusals.log")
         procs.append(refusals)
+        # Its one case the coordinator judges (a tensor no rank holds) goes first, while the run
+        # has a free site slot: once the good sites have all joined, "all taken" comes first.
+        wait_for_log(d, "refusals.log", "case held_by_no_rank done", refusals)
         for site in SITES:
             if site != "fsdp":
                 start(site)
