@@ -32,7 +32,7 @@ All or nothing, in two passes over the round's tensors:
    every round for a case that needs an update ~100x θ.)
 2. ``apply`` writes, block by block: the momentum, x (scratch), its chunk, ũ as every site
    decodes it (scratch), the residual x − ũ and θ + ũ, in place, while a worker thread
-   hashes θ's blocks as they are done (params_sha256's bytes, in its order).
+   hashes θ's blocks as they are done (each tensor's SHA-256, combined as params_sha256 does).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from diloco.codec.blockwise import absmax_bounded_block
 from diloco.coordinator import kernels
 from diloco.outer import OuterOptimizer, WeightedMean, check_update
 from diloco.outer.optimizer import ABSURD_UPDATE_RATIO, NesterovStep
-from diloco.outer.pseudo_gradient import tensor_header
+from diloco.outer.pseudo_gradient import combine_sha256, tensor_header
 from diloco.types import Chunk
 from diloco.wire.chunks import chunk_ranges, dtype_name
 
@@ -158,7 +158,7 @@ class BlockCommit:
         try:
             for name in self.outer.names:
                 param = self.outer.params[name]
-                digest.update(tensor_header(name, param))
+                digest.tensor(name, tensor_header(name, param))
                 t = self.tensors.get(name)
                 if t is None:  # not stepped this round (another fragment's): hashed as it is
                     digest.update(param.view(-1).numpy())
@@ -303,24 +303,32 @@ def _hash_worker_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 class _Digest:
-    """A SHA-256 fed on one worker thread, in the order of ``update`` (hashlib releases the GIL
-    on large buffers, the compiled loops too: a block is hashed while the next is computed).
-    Buffers go to the worker in batches of about ``_BATCH`` bytes (a job per buffer cost more
-    than the hashing itself for models of thousands of small tensors). A buffer must not change
-    until ``hexdigest``."""
+    """params_sha256 of θ as it is written: each tensor's bytes fed to its own SHA-256 on one
+    worker thread, in the order of ``update`` (hashlib releases the GIL on large buffers, the
+    compiled loops too: a block is hashed while the next is computed), combined in name order
+    at ``hexdigest``. Buffers go to the worker in batches of about ``_BATCH`` bytes (a job per
+    buffer cost more than the hashing itself for models of thousands of small tensors). A
+    buffer must not change until ``hexdigest``."""
 
     _BATCH = 1 << 22
 
     def __init__(self) -> None:
-        self._h = hashlib.sha256()
+        self._tensors: dict[str, tuple[bytes, hashlib._Hash]] = {}
+        self._current: hashlib._Hash | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
-        self._batch: list[bytes | np.ndarray] = []
+        self._batch: list[tuple[hashlib._Hash, bytes | np.ndarray]] = []
         self._bytes = 0
 
+    def tensor(self, name: str, header: bytes) -> None:
+        """The bytes of ``update`` from now on are tensor ``name``'s (``header``: tensor_header's)."""
+        self._current = hashlib.sha256()
+        self._tensors[name] = (header, self._current)
+
     def update(self, data: bytes | np.ndarray) -> None:
+        assert self._current is not None, "update before tensor"
         n = data.nbytes if isinstance(data, np.ndarray) else len(data)
         if n:
-            self._batch.append(data)
+            self._batch.append((self._current, data))
             self._bytes += n
             if self._bytes >= self._BATCH:
                 self._flush()
@@ -328,15 +336,15 @@ class _Digest:
     def _flush(self) -> None:
         if self._batch:
             batch, self._batch, self._bytes = self._batch, [], 0
-            self._pending.append(_hash_worker().submit(_feed, self._h, batch))
+            self._pending.append(_hash_worker().submit(_feed, batch))
 
     def hexdigest(self) -> str:
         self._flush()
         for f in self._pending:
             f.result()
-        return self._h.hexdigest()
+        return combine_sha256({name: (header, h.digest()) for name, (header, h) in self._tensors.items()})
 
 
-def _feed(h: hashlib._Hash, batch: list[bytes | np.ndarray]) -> None:
-    for data in batch:
+def _feed(batch: list[tuple[hashlib._Hash, bytes | np.ndarray]]) -> None:
+    for h, data in batch:
         h.update(data)

@@ -47,6 +47,7 @@ from diloco.coordinator.sessions import Sessions
 from diloco.coordinator.shard import Shard
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, params_sha256
+from diloco.outer.pseudo_gradient import params_sha256_v1
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval, TensorSpec
 
 
@@ -417,7 +418,7 @@ class Coordinator:
         if not 0 <= committed <= self.cfg.total_rounds:
             raise ValueError(f"checkpoint has {committed} committed rounds; this run has {self.cfg.total_rounds}")
         digest = params_sha256(state["outer"]["params"])  # checked before anything is loaded
-        if digest != state["global_sha256"]:
+        if digest != state["global_sha256"] and params_sha256_v1(state["outer"]["params"]) != state["global_sha256"]:  # v1: written before 2026-12-08
             raise ValueError(f"checkpoint θ hashes to {digest[:16]}, the checkpoint says {str(state['global_sha256'])[:16]}")
         with self._cv:
             if not self.shard.ready:  # init=site: θ₀ was committed before the restart; never asked again

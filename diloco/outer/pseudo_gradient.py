@@ -33,17 +33,49 @@ def apply_update(global_params: Mapping[str, torch.Tensor], update: Mapping[str,
 
 
 def tensor_header(name: str, t: torch.Tensor) -> bytes:
-    """What ``params_sha256`` hashes of a tensor before its bytes: its name, shape and dtype."""
+    """What ``params_sha256`` hashes of a tensor beside its bytes' digest: its name, shape and dtype."""
     return f"{name}|{list(t.shape)}|{t.dtype}|".encode()
 
 
+def tensor_sha256(t: torch.Tensor) -> bytes:
+    """SHA-256 of one tensor's raw bytes (the digest ``params_sha256`` combines)."""
+    h = hashlib.sha256()
+    t = t.detach().contiguous().cpu()
+    if t.numel():
+        h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy of it
+    return h.digest()
+
+
+def combine_sha256(parts: Mapping[str, tuple[bytes, bytes]]) -> str:
+    """``params_sha256`` from each tensor's (tensor_header, tensor_sha256), whoever computed
+    them: the same digest however the tensors were split between the processes that hashed them."""
+    h = hashlib.sha256()
+    for name in sorted(parts):
+        header, digest = parts[name]
+        h.update(header)
+        h.update(digest)
+    return h.hexdigest()
+
+
 def params_sha256(params: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over name, shape, dtype and raw bytes of each tensor, in name order (a caller
-    that writes θ block by block feeds the same bytes as it goes: diloco.coordinator.commit_blocks)."""
+    """θ's hash: SHA-256, in name order, over each tensor's name, shape and dtype and the
+    SHA-256 of its raw bytes. Two levels, so that a coordinator whose parameters are split by
+    range (each part hashing its own tensors) and a caller that writes θ block by block
+    (diloco.coordinator.commit_blocks) give the same digest as one pass over the whole θ."""
+    parts = {}
+    for name in sorted(params):  # each tensor read once, in name order (a rank's gathers: diloco.site.layouts.found)
+        t = params[name]
+        parts[name] = (tensor_header(name, t), tensor_sha256(t))
+    return combine_sha256(parts)
+
+
+def params_sha256_v1(params: Mapping[str, torch.Tensor]) -> str:
+    """θ's hash before 2026-12-08 (one SHA-256 over every tensor's header and bytes, in name
+    order): what coordinator checkpoints of formats 1 to 3 recorded. Read only, to check them."""
     h = hashlib.sha256()
     for name in sorted(params):
         t = params[name].detach().contiguous().cpu()
         h.update(tensor_header(name, t))
         if t.numel():
-            h.update(t.view(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy of it
+            h.update(t.view(-1).view(torch.uint8).numpy())
     return h.hexdigest()

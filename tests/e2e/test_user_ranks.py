@@ -3,7 +3,7 @@
 one run against a real ``diloco-coordinator`` over real gRPC, θ₀ sent by the FSDP2 site (init=site),
 each of its ranks sending its rows.
 
-One run, six sites (tests/user_ranks_site.py): one process; FSDP2 ``fully_shard`` on 2 ranks
+One run, four sites (tests/user_ranks_site.py): FSDP2 ``fully_shard`` on 2 ranks
 (rank 1 SIGKILLed in round 1's last step: torchrun restarts the group and the site rejoins);
 tensor parallel ``parallelize_module`` on 2 ranks; a 2-D mesh (dp_shard 2 x tp 2) on 4 ranks;
 two pipeline stages by hand. Once the FSDP2 site has sent θ₀, the bad sites of
@@ -23,7 +23,7 @@ from diloco.outer import params_sha256
 
 pytestmark = pytest.mark.timeout(240)
 
-SITES = {"one": ("none", 1), "fsdp": ("fsdp", 2), "tp": ("tp", 2), "mesh2d": ("tp_fsdp", 4), "pp": ("pp", 2)}  # DDP: tests/e2e/test_plugins_ranks.py
+SITES = {"fsdp": ("fsdp", 2), "tp": ("tp", 2), "mesh2d": ("tp_fsdp", 4), "pp": ("pp", 2)}  # DDP and one-process sites: test_plugins_ranks.py
 ROUNDS, H, BATCH = 2, 4, 16  # FSDP2's rank 1 is killed in round 1, the last
 PARAMS = sum(p.numel() for p in build(0).parameters())
 
@@ -128,5 +128,5 @@ def test_bad_sites_are_refused_before_their_first_push_naming_what_is_wrong(run:
             assert says in rank_said, (case, rank_said)
     assert "missing parameter '4.bias'" in refused["held_by_no_rank"][1]  # rank 1 says what rank 0 was told
     # θ unchanged by all of it: round 0 started from θ₀ and counted the good sites only
-    assert run["sites"]["one"]["round_sha256"]["start"] == run["theta0_sha256"]
+    assert run["sites"]["tp"]["round_sha256"]["start"] == run["theta0_sha256"]
     assert "bad" not in run["metrics"][0]["participants"]
