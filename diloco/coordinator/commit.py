@@ -4,6 +4,7 @@ feedback are the state they move), called by the coordinator under its lock."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -13,10 +14,12 @@ from typing import Any
 import torch
 
 from diloco.codec import Codec, is_lossless
-from diloco.coordinator import commit_blocks
+from diloco.coordinator import commit_blocks, kernels
 from diloco.coordinator.guard import SpikeGuard
 from diloco.coordinator.round_state import RoundState
-from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, StackedAggregate, WeightedMean, check_update, params_sha256
+from diloco.coordinator.shard_step import ShardStep
+from diloco.outer import ErrorFeedback, OuterOptimizer, OuterStepRefused, StackedAggregate, WeightedMean, check_update
+from diloco.outer.pseudo_gradient import combine_sha256
 from diloco.types import Chunk, PushHeader, TensorSpec
 from diloco.wire import ChunkAssembler, encode_chunks
 from diloco.wire.chunks import zero_chunks
@@ -132,54 +135,85 @@ def commit(
     Norms are ``outer.norm``'s. On the blockwise path the step is all or nothing against
     anything the pushes held (every check runs before the first write); an error of the
     machine itself midway through its writes (out of memory) propagates, and the coordinator
-    fails and restarts from its last checkpoint."""
+    fails and restarts from its last checkpoint. One shard's case of ``commit_shards``."""
+    return commit_shards(state, [ShardStep(state.names, acc, outer, encoder, state.number)], guard, closing, times)
+
+
+def commit_shards(
+    state: RoundState, shards: list[ShardStep], guard: SpikeGuard, closing: Closing, times: dict[str, float] | None = None
+) -> tuple[RoundRecord, list[Chunk]]:
+    """``commit`` of a round whose parameters are cut into ranges, each ``shards``' own (in
+    name order: the update's chunks are theirs one after the other). The checks are made
+    once, on whole-model figures added from each shard's per-tensor parts in name order, so
+    θ, its hash and the record are those of one shard holding every parameter, bit for bit;
+    a shard writes only once every check passed, and every shard or none steps.
+
+    Norms are diloco.coordinator.kernels.squares' parts added in name order (kernels.norm's
+    value where the compiled loops are present)."""
     times = times if times is not None else {}
     t0 = time.perf_counter()
     r = state.number
+    live = [s for s in shards if s.names]
     refusal = _uncounted(state)
-    # The common round goes block by block, in place (diloco.coordinator.commit_blocks: the
-    # same bits, without full-size temporaries); any other round, the generic path.
-    blocks = commit_blocks.plan(acc, outer, encoder, r) if refusal is None else None
-    mean = None
-    if blocks is not None:
-        delta_norm = blocks.check()  # its first pass: writes nothing
-    else:
-        mean, refusal = _mean(acc) if refusal is None else (None, refusal)
-        delta_norm = outer.norm(mean) if mean is not None else math.nan
+    blockwise = refusal is None and all(s.blocks is not None for s in live)
+    g_sq: dict[str, float] = {}
+    if refusal is None:
+        for s in live:
+            got = s.check_blocks() if blockwise else s.mean()
+            if isinstance(got, str):
+                refusal = got
+                break
+            g_sq.update(got)
+    delta_norm = kernels.root(g_sq[n] for n in sorted(g_sq)) if refusal is None else math.nan
     if refusal is None and not math.isfinite(delta_norm):  # its norm is finite exactly when every value is
-        mean, blocks, delta_norm, refusal = None, None, math.nan, "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
+        refusal = "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
     if refusal is None:
         verdict = guard.judge(delta_norm)
         refusal = None if verdict.accepted else verdict.describe()
-    sent: list[list[Chunk]] = []
-    stepped, digest = False, None
     t1 = time.perf_counter()
     times["mean_s"] = t1 - t0
-
-    def transmit(u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        te = time.perf_counter()
+    theta_norm = functools.cache(lambda: kernels.root(v for _, v in sorted(_union(s.theta_sq() for s in live).items())))
+    stepped, update_norm = False, 0.0
+    if refusal is None and blockwise:
+        blocks = [s.blocks for s in live if s.blocks is not None]
+        proposed_norm = kernels.root(v for _, v in sorted(_union(b.u_sq for b in blocks).items()))
         try:
-            return encoder.transmit(u, sent.append)
-        finally:
-            times["encode_s"] = time.perf_counter() - te
-
-    if refusal is None:
-        residual = encoder.feedback.residual if encoder.feedback is not None else None
-        try:
-            if blocks is not None and blocks.sure():
-                digest = blocks.apply(sent.append, times)
-            else:  # the generic step (where the blockwise one cannot be sure of its checks, too)
-                outer.step(mean if mean is not None else acc.mean(), transmit=transmit, round=r)
-            stepped = True
+            check_update("proposed update", {}, size=proposed_norm, params_norm=theta_norm)
         except OuterStepRefused as e:
             refusal = str(e)
-            if encoder.feedback is not None:
-                encoder.feedback.residual = residual  # exactly as it was (carry would merge)
-    update_norm = outer.update_norm
+        else:
+            first = blocks[0]
+            bound_sq = commit_blocks.total(v for _, v in sorted(_union(b.bound_sq for b in blocks).items()))
+            if commit_blocks.sure_of(first.lossless, first.codec_block, all(b.x_finite for b in blocks), bound_sq, theta_norm):
+                for s in live:
+                    s.apply_blocks(times)
+                stepped = True
+                update_norm = kernels.root(v for _, v in sorted(_union(s.sent_sq for s in live).items()))
+    if refusal is None and not stepped:  # the generic step (where the blockwise one cannot be sure of its checks, too)
+        encode_s = [0.0]
+        proposals = [s.propose(lambda dt: encode_s.__setitem__(0, encode_s[0] + dt)) for s in live]
+        times["encode_s"] = encode_s[0]
+        try:
+            size = check_update(
+                "proposed update", {}, size=kernels.root(v for _, v in sorted(_union(p.u_sq for p in proposals).items())), params_norm=theta_norm
+            )
+            failed = next((p.failed for p in proposals if p.failed is not None), None)
+            if failed is not None:
+                raise OuterStepRefused(failed)
+            if any(p.sent_sq is not None for p in proposals):
+                sent_sq = _union(p.sent_sq if p.sent_sq is not None else p.u_sq for p in proposals)
+                size = check_update("update as sent", {}, size=kernels.root(v for _, v in sorted(sent_sq.items())), params_norm=theta_norm)
+        except OuterStepRefused as e:
+            refusal = str(e)
+            for s in live:
+                s.settle(False, 0.0)
+        else:
+            for s in live:
+                s.settle(True, size)
+            stepped, update_norm = True, size
     if not stepped:
-        # θ, the outer optimizer and the downlink residual stay; sites apply a zero update.
-        sent[:] = [encoder.encode_zeros(state.names)]
-        update_norm = 0.0
+        for s in shards:  # θ, the outer optimizer and the downlink residual stay; sites apply a zero update
+            s.zeros()
     t2 = time.perf_counter()
     times["step_s"] = t2 - t1
     pushed = sorted(state.pushes)
@@ -203,13 +237,20 @@ def commit(
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         fragment=state.fragment,
-        global_sha256=digest if digest is not None else params_sha256(outer.params),
+        global_sha256=combine_sha256(_union(s.theta_digests() for s in shards)),
         wall_s=closing.now - state.opened_at,
         elapsed_s=closing.now - closing.started,
-        params={n: p.clone() for n, p in outer.params.items()} if closing.snapshot else None,
+        params={n: p.clone() for s in shards for n, p in s.outer.params.items()} if closing.snapshot else None,
     )
     times["record_s"] = time.perf_counter() - t2
-    return record, sent[0]
+    return record, [c for s in shards for c in s.chunks]
+
+
+def _union(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in parts:
+        out.update(p)
+    return out
 
 
 def _uncounted(state: RoundState) -> str | None:
@@ -217,14 +258,6 @@ def _uncounted(state: RoundState) -> str | None:
     if state.pushes and not any(state.counted(s) for s in state.pushes):
         return "no pseudo-gradient counted in this round (every push was withheld or refused): θ stays"
     return None
-
-
-def _mean(acc: WeightedMean | StackedAggregate) -> tuple[dict[str, torch.Tensor] | None, str | None]:
-    """The round's mean Δ, or why there is none (its finiteness is judged by its norm)."""
-    try:
-        return acc.mean(), None
-    except (ValueError, RuntimeError) as e:
-        return None, f"no mean Δ: {e}"
 
 
 def describe_part(part: int, chunks: list[Chunk], specs: Mapping[str, TensorSpec]) -> dict[str, int]:

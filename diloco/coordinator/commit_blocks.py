@@ -114,17 +114,25 @@ class BlockCommit:
 
     # ---- pass 1 --------------------------------------------------------------------------
     def check(self) -> float:
-        """Pass 1 (writes nothing): returns the mean Δ's norm, as ``norm(acc.mean())``."""
-        stats = np.zeros(2, dtype=np.float64)
-        g_sq, u_sq = {}, {}
+        """Pass 1 (writes nothing): returns the mean Δ's norm, as ``norm(acc.mean())``. Each
+        tensor's parts stay in ``g_sq``, ``u_sq`` and ``bound_sq`` (a coordinator cut by
+        parameter range adds its shards' parts in name order: diloco.coordinator.rounds)."""
+        self.g_sq, self.u_sq, self.bound_sq = {}, {}, {}
+        finite = True
         for n, t in self.tensors.items():
-            lanes_g, lanes_u = kernels.lanes(), kernels.lanes()
+            lanes_g, lanes_u, stats = kernels.lanes(), kernels.lanes(), np.zeros(2, dtype=np.float64)
             self._pass(t, 0, t.theta.numel(), write=False, x=None, lanes_g=lanes_g, lanes_u=lanes_u, stats=stats)
-            g_sq[n], u_sq[n] = kernels.native.lanes_sum(lanes_g), kernels.native.lanes_sum(lanes_u)
-        self.delta_norm = _root(g_sq[n] for n in self.order)
-        self.proposed_norm = _root(u_sq[n] for n in self.stepped)
-        self._bound_sq, self._x_finite = float(stats[0]), not stats[1]
+            self.g_sq[n], self.u_sq[n] = kernels.native.lanes_sum(lanes_g), kernels.native.lanes_sum(lanes_u)
+            self.bound_sq[n], finite = float(stats[0]), finite and not stats[1]
+        self.delta_norm = kernels.root(self.g_sq[n] for n in self.order)
+        self.proposed_norm = kernels.root(self.u_sq[n] for n in self.stepped)
+        self._bound_sq, self._x_finite = total(self.bound_sq[n] for n in self.stepped), finite
         return self.delta_norm
+
+    @property
+    def x_finite(self) -> bool:
+        """x = u + β·residual is finite everywhere (pass 1 measured it)."""
+        return self._x_finite
 
     def sure(self) -> bool:
         """check_update of the proposed update, as the generic step runs it (raises
@@ -132,17 +140,13 @@ class BlockCommit:
         check for certain, False when the generic path must decide (it takes the round)."""
         before = {n: self.outer.params[n] for n in self.stepped}
         check_update("proposed update", {}, before, size=self.proposed_norm, norm=self.outer.norm)
-        if self.lossless:
-            return True  # the update as sent is the proposed one: checked once, as the generic path does
-        if not self._x_finite or not self.codec_block:
-            return False
-        bound = math.sqrt(self._bound_sq) * (1.0 + _BOUND_MARGIN)
-        return bound <= ABSURD_UPDATE_RATIO or bound <= ABSURD_UPDATE_RATIO * max(self.outer.norm(before), 1.0)
+        return sure_of(self.lossless, self.codec_block, self._x_finite, self._bound_sq, lambda: self.outer.norm(before))
 
     # ---- pass 2 --------------------------------------------------------------------------
     def apply(self, sink: Callable[[list[Chunk]], None], times: dict[str, float]) -> str:
         """Pass 2: writes the momentum, the residual and θ, hands the chunks to ``sink`` and
-        returns θ's SHA-256 (params_sha256's). Only after ``sure`` said True."""
+        returns θ's SHA-256 (params_sha256's; each tensor's parts stay in ``digests``, the
+        update's squares in ``sent_sq``). Only after ``sure`` said True."""
         codec = self.encoder.codec
         decoder = get_codec(codec.name)  # as the sites decode it: the default instance of the name
         decode_into = getattr(decoder, "decode_into", None)
@@ -197,9 +201,11 @@ class BlockCommit:
                 if lanes is not None:
                     sent_sq[name] = kernels.native.lanes_sum(lanes)
         finally:
-            hexdigest = digest.hexdigest()
+            self.digests = digest.parts()
+            hexdigest = combine_sha256(self.digests)
         times["encode_s"] = encode_s
-        size = self.proposed_norm if self.lossless else _root(sent_sq[n] for n in self.stepped)
+        self.sent_sq = dict(self.u_sq) if self.lossless else sent_sq
+        size = self.proposed_norm if self.lossless else kernels.root(sent_sq[n] for n in self.stepped)
         self.outer.stepped(self.round, self.step, buffers, size)
         if self.feedback is not None:
             self.feedback.carry(residuals)
@@ -284,12 +290,24 @@ def _fits(t: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.shape == param.shape and t.is_contiguous() and t.device.type == "cpu"
 
 
-def _root(squares: Iterable[float]) -> float:
-    """The square root of the squares added in order: kernels.norm's total."""
-    total = 0.0
-    for s in squares:
-        total += s
-    return math.sqrt(total)
+def total(values: Iterable[float]) -> float:
+    """The values added in order (float64)."""
+    out = 0.0
+    for v in values:
+        out += v
+    return out
+
+
+def sure_of(lossless: bool, codec_block: int, x_finite: bool, bound_sq: float, theta_norm: Callable[[], float]) -> bool:
+    """True when the update as sent passes check_update for certain, the proposed one having
+    passed (``BlockCommit.sure``; ``theta_norm``: |θ| of the stepped parameters, measured only
+    where the bound needs it)."""
+    if lossless:
+        return True  # the update as sent is the proposed one: checked once, as the generic path does
+    if not x_finite or not codec_block:
+        return False
+    bound = math.sqrt(bound_sq) * (1.0 + _BOUND_MARGIN)
+    return bound <= ABSURD_UPDATE_RATIO or bound <= ABSURD_UPDATE_RATIO * max(theta_norm(), 1.0)
 
 
 def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
@@ -306,9 +324,9 @@ class _Digest:
     """params_sha256 of θ as it is written: each tensor's bytes fed to its own SHA-256 on one
     worker thread, in the order of ``update`` (hashlib releases the GIL on large buffers, the
     compiled loops too: a block is hashed while the next is computed), combined in name order
-    at ``hexdigest``. Buffers go to the worker in batches of about ``_BATCH`` bytes (a job per
+    at ``parts``. Buffers go to the worker in batches of about ``_BATCH`` bytes (a job per
     buffer cost more than the hashing itself for models of thousands of small tensors). A
-    buffer must not change until ``hexdigest``."""
+    buffer must not change until ``parts``."""
 
     _BATCH = 1 << 22
 
@@ -338,11 +356,12 @@ class _Digest:
             batch, self._batch, self._bytes = self._batch, [], 0
             self._pending.append(_hash_worker().submit(_feed, batch))
 
-    def hexdigest(self) -> str:
+    def parts(self) -> dict[str, tuple[bytes, bytes]]:
+        """Each tensor's header and digest (combine_sha256 makes params_sha256 of them)."""
         self._flush()
         for f in self._pending:
             f.result()
-        return combine_sha256({name: (header, h.digest()) for name, (header, h) in self._tensors.items()})
+        return {name: (header, h.digest()) for name, (header, h) in self._tensors.items()}
 
 
 def _feed(batch: list[tuple[hashlib._Hash, bytes | np.ndarray]]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,29 @@ LANES = 16  # sumsq_f32's lanes: element i of a tensor goes to lane i % LANES
 def lanes() -> np.ndarray:
     """A tensor's float64 lanes of squares, zero."""
     return np.zeros(LANES, dtype=np.float64)
+
+
+def squares(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's sum of squares, as ``norm`` adds them (inf or nan where a value is): a
+    norm's parts, which ``root`` adds in the mapping's order to ``norm``'s value; a coordinator
+    cut by parameter range adds its shards' parts so, in name order."""
+    if native is None or not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors.values()):
+        return {n: l2({n: t}) ** 2 for n, t in tensors.items()}
+    out = {}
+    for n, t in tensors.items():
+        acc = lanes()
+        if t.numel():
+            native.sumsq_f32(t.detach().contiguous().view(-1).numpy(), acc)
+        out[n] = native.lanes_sum(acc)
+    return out
+
+
+def root(squares: Iterable[float]) -> float:
+    """The square root of the squares added in order: ``norm``'s total."""
+    total = 0.0
+    for s in squares:
+        total += s
+    return math.sqrt(total)
 
 
 def norm(tensors: Mapping[str, torch.Tensor]) -> float:

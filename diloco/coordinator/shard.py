@@ -21,6 +21,7 @@ from diloco.coordinator import kernels
 from diloco.coordinator.commit import Closing, RoundRecord, UpdateEncoder, commit
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.guard import SpikeGuard
+from diloco.coordinator.shard_step import ShardStep
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, OuterOptimizer, StackedAggregate, WeightedMean, averaged_from, make_aggregate, params_sha256
 from diloco.outer.fragments import fragment_of_round, split_fragments
@@ -44,10 +45,13 @@ class Shard:
         self.outer: OuterOptimizer | None = None
         self.encoder: UpdateEncoder | None = None
         self.acc: WeightedMean | StackedAggregate = make_aggregate({}, cfg.aggregate, cfg.robust.trim)  # the open round's sum
+        self.names: tuple[str, ...] = ()  # the open round's tensors (sorted)
 
-    def install(self, params: Mapping[str, torch.Tensor], source: str) -> None:
+    def install(self, params: Mapping[str, torch.Tensor], source: str, split: tuple[tuple[str, ...], ...] | None = None) -> None:
         """θ₀ and everything sized by it: the outer optimizer, the split, the encoder.
-        ValueError: more fragments than the model has layers."""
+        ValueError: more fragments than the model has layers. ``split``: the whole model's
+        fragments, for a shard that holds a range of it (``params``); its rounds sync the
+        names of each fragment that it holds."""
         cfg = self.cfg
         average_from = averaged_from(cfg.total_rounds, cfg.flush_rounds, self.outer_cfg.final_average, last=cfg.fragments if cfg.frozen_end else 1)
         outer = OuterOptimizer(
@@ -55,7 +59,9 @@ class Shard:
         )
         kernels.available()  # checked once per process, here rather than in the first commit
         specs = fingerprint(outer.params)
-        self.split = split_fragments({n: p.shape for n, p in outer.params.items()}, cfg.fragments, cfg.fragment_split)
+        if split is None:
+            split = split_fragments({n: p.shape for n, p in outer.params.items()}, cfg.fragments, cfg.fragment_split)
+        self.split = tuple(tuple(n for n in part if n in outer.params) for part in split)
         self.outer, self.specs = outer, specs
         self.shapes = {n: p.shape for n, p in outer.params.items()}
         self.encoder = UpdateEncoder.of(cfg.codec_down.build(), specs, cfg.chunk_bytes, cfg.error_feedback_down)
@@ -70,7 +76,8 @@ class Shard:
         names = self.split[fragment] if len(self.split) > fragment else ()  # before θ₀ (init=site): none
         # The previous round's sums are done with (its commit took their mean): reused.
         self.acc = make_aggregate({n: self.shapes[n] for n in names}, self.cfg.aggregate, self.cfg.robust.trim, reuse=self.acc)
-        return tuple(sorted(names)), fragment
+        self.names = tuple(sorted(names))
+        return self.names, fragment
 
     def add(self, delta: Mapping[str, torch.Tensor] | HeldPush, weight: float, scale: float | None = None) -> None:
         """A counted push's Δ (``scale``: clipped down by it first, in place), as float32 values
@@ -107,6 +114,11 @@ class Shard:
                 "invalid_argument",
                 f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {self.cfg.fragments}",
             )
+
+    def step(self, round: int) -> ShardStep:
+        """Its part of the open round's commit, for a coordinator cut by range (commit_shards)."""
+        assert self.outer is not None and self.encoder is not None
+        return ShardStep(self.names, self.acc, self.outer, self.encoder, round)
 
     def commit(self, state: Any, closing: Closing, times: dict[str, Any]) -> tuple[RoundRecord, list[Chunk]]:
         """The open round's outer step (diloco.coordinator.commit: total); θ's hash moves with it."""

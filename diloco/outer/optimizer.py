@@ -102,19 +102,25 @@ Norm = Callable[[Mapping[str, torch.Tensor]], float]
 
 
 def check_update(
-    name: str, update: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor] | None = None, size: float | None = None, norm: Norm | None = None
+    name: str,
+    update: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor] | None = None,
+    size: float | None = None,
+    norm: Norm | None = None,
+    params_norm: Callable[[], float] | None = None,
 ) -> float:
     """Raises OuterStepRefused if ``update`` is non-finite, or absurd against ``params``;
     returns its norm. ``size``: ``norm(update)`` when the caller has it already; ``norm``:
-    the L2 norm to measure with (``l2`` unless given)."""
+    the L2 norm to measure with (``l2`` unless given); ``params_norm``: |params| measured by
+    the caller instead (when they are not in this process: a coordinator cut by range)."""
     norm = l2 if norm is None else norm
     size = norm(update) if size is None else size
     if not math.isfinite(size):
         raise OuterStepRefused(f"the {name} is not finite")
     # The limit is at least ABSURD_UPDATE_RATIO: below that, |θ| need not be measured.
-    if params is None or size <= ABSURD_UPDATE_RATIO:
+    if (params is None and params_norm is None) or size <= ABSURD_UPDATE_RATIO:
         return size
-    limit = ABSURD_UPDATE_RATIO * max(norm(params), 1.0)
+    limit = ABSURD_UPDATE_RATIO * max(params_norm() if params_norm is not None else norm(params or {}), 1.0)
     if size > limit:
         raise OuterStepRefused(f"the {name} has norm {size:.4g}, over {ABSURD_UPDATE_RATIO:g} x max(|θ|, 1) = {limit:.4g}")
     return size
@@ -161,6 +167,17 @@ def averaged_from(total_rounds: int, flush_rounds: int, final_average: bool, las
     if final_average:
         return max(0, trained - last)
     return trained if flush_rounds else None
+
+
+@dataclass
+class Tentative:
+    """An outer step proposed and not yet settled (OuterOptimizer.propose)."""
+
+    names: list[str]
+    before: dict[str, torch.Tensor]  # θ_r of the stepped parameters
+    saved: tuple[dict[torch.Tensor, dict[str, Any]], list[dict[str, Any]]]  # the optimizer state before
+    proposed: dict[str, torch.Tensor]  # u
+    sent: dict[str, torch.Tensor] = field(default_factory=dict)  # ũ: u as the downlink delivers it
 
 
 class OuterOptimizer:
@@ -224,6 +241,26 @@ class OuterOptimizer:
         that was applied (what the sites apply). ``transmit`` may return the proposed update
         itself (a lossless downlink): it is then not checked a second time. ``round``: the
         round this step commits, which places it on the schedule (needed with one)."""
+        tentative = self.propose(mean_delta, round)
+        try:
+            size = check_update("proposed update", tentative.proposed, tentative.before, norm=self.norm)
+            tentative.sent = transmit(tentative.proposed) if transmit is not None else tentative.proposed
+            if tentative.sent is not tentative.proposed:
+                size = check_update("update as sent", tentative.sent, tentative.before, norm=self.norm)
+        except Exception as e:
+            self.settle(tentative, accept=False)
+            if isinstance(e, OuterStepRefused):
+                raise
+            raise OuterStepRefused(f"the outer step failed: {type(e).__name__}: {e}") from e
+        self.settle(tentative, accept=True, size=size)
+        return tentative.sent
+
+    def propose(self, mean_delta: Mapping[str, torch.Tensor], round: int | None = None) -> Tentative:
+        """The first half of ``step``: the optimizer's proposed update u, checked by nobody yet.
+        θ and the optimizer state may hold the step's values until ``settle``, which must follow
+        (a caller that judges u by more than this optimizer's parameters: a coordinator cut by
+        parameter range, whose checks measure the whole model). ``tentative.sent``: set by the
+        caller to the update as sent (``proposed`` unless the downlink changes it)."""
         if self._schedule.active and round is None:
             raise ValueError("an outer step with a schedule needs its round")
         names = [n for n in self.names if n in mean_delta]
@@ -231,7 +268,7 @@ class OuterOptimizer:
         if unknown or not names:
             raise OuterStepRefused(f"the outer step needs a Δ of this model's parameters; got {len(names)} known and unknown {unknown[:3]}")
         before = {n: self.params[n].clone() for n in names}
-        saved = self._save_state()
+        tentative = Tentative(names, before, self._save_state(), {})
         try:
             if self.averages(round):
                 proposed = {n: -mean_delta[n].detach().float() for n in names}
@@ -248,23 +285,25 @@ class OuterOptimizer:
                     p = self.params[n]
                     proposed[n] = p - before[n]
                     p.grad = None
-            # The parameters hold θ' until the end: θ_{r+1} is written from θ_r and ũ below.
-            size = check_update("proposed update", proposed, before, norm=self.norm)
-            sent = transmit(proposed) if transmit is not None else proposed
-            if sent is not proposed:
-                size = check_update("update as sent", sent, before, norm=self.norm)
         except Exception as e:
-            for n in names:
-                self.params[n].grad = None
-                self.params[n].copy_(before[n])
-            self._load_state(saved)
-            if isinstance(e, OuterStepRefused):
-                raise
+            self.settle(tentative, accept=False)
             raise OuterStepRefused(f"the outer step failed: {type(e).__name__}: {e}") from e
-        for n in names:
-            torch.add(before[n], sent[n], out=self.params[n])  # θ_{r+1} := θ_r + ũ, as the sites compute it
+        tentative.proposed = tentative.sent = proposed
+        return tentative
+
+    def settle(self, tentative: Tentative, accept: bool, size: float = 0.0) -> None:
+        """The second half of ``step``: θ_{r+1} := θ_r + ũ (``tentative.sent``), as the sites
+        compute it, with ``size`` the norm of ũ; or, not accepted, θ and the optimizer state as
+        they were before ``propose``."""
+        if not accept:
+            for n in tentative.names:
+                self.params[n].grad = None
+                self.params[n].copy_(tentative.before[n])
+            self._load_state(tentative.saved)
+            return
+        for n in tentative.names:
+            torch.add(tentative.before[n], tentative.sent[n], out=self.params[n])  # θ_{r+1} := θ_r + ũ
         self.update_norm = size
-        return sent
 
     def averages(self, round: int | None) -> bool:
         """Round ``round`` is an averaging round (θ − mean Δ, no outer step)."""
