@@ -73,7 +73,7 @@ class MetricsLine:
     eval_by: str | None = _f("who evaluated: coordinator | sites")
     update_norm: float | None = _f("L2 norm of the outer update applied to θ (null in the baselines)")
     delta_norm: float | None = _f("L2 norm of the participants' weighted mean Δ, which the guard judges (null in the baselines)")
-    global_sha256: str = _f("sha256 of θ after the round: every site ends with the same")
+    global_sha256: str = _f("θ's hash after the round (params_sha256: SHA-256 over each tensor's header and SHA-256): every site ends with the same")
     wall_s: float = _f("seconds from the round's opening to its commit")
     elapsed_s: float = _f("seconds from the coordinator's start to the commit")
     sliced: dict[str, list[dict[str, int]]] | None = _f("sharded sites: per part {part, whole, sliced, numel}", optional=True)
