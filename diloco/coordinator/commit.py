@@ -164,7 +164,7 @@ def commit_shards(
                 refusal = got
                 break
             g_sq.update(got)
-    delta_norm = kernels.root(g_sq[n] for n in sorted(g_sq)) if refusal is None else math.nan
+    delta_norm = _root([g_sq]) if refusal is None else math.nan
     if refusal is None and not math.isfinite(delta_norm):  # its norm is finite exactly when every value is
         refusal = "the mean Δ is not finite (a push's values times its tokens overflowed float32)"
     if refusal is None:
@@ -172,37 +172,34 @@ def commit_shards(
         refusal = None if verdict.accepted else verdict.describe()
     t1 = time.perf_counter()
     times["mean_s"] = t1 - t0
-    theta_norm = functools.cache(lambda: kernels.root(v for _, v in sorted(_union(s.theta_sq() for s in live).items())))
+    theta_norm = functools.cache(lambda: _root(s.theta_sq() for s in live))
     stepped, update_norm = False, 0.0
     if refusal is None and blockwise:
         blocks = [s.blocks for s in live if s.blocks is not None]
-        proposed_norm = kernels.root(v for _, v in sorted(_union(b.u_sq for b in blocks).items()))
+        proposed_norm = _root(b.u_sq for b in blocks)
         try:
             check_update("proposed update", {}, size=proposed_norm, params_norm=theta_norm)
         except OuterStepRefused as e:
             refusal = str(e)
         else:
             first = blocks[0]
-            bound_sq = commit_blocks.total(v for _, v in sorted(_union(b.bound_sq for b in blocks).items()))
+            bound_sq = commit_blocks.total(v for _, v in sorted(_union(b.bound_sq for b in blocks).items()))  # added as squares, no root
             if commit_blocks.sure_of(first.lossless, first.codec_block, all(b.x_finite for b in blocks), bound_sq, theta_norm):
                 for s in live:
                     s.apply_blocks(times)
                 stepped = True
-                update_norm = kernels.root(v for _, v in sorted(_union(s.sent_sq for s in live).items()))
+                update_norm = _root(s.sent_sq for s in live)
     if refusal is None and not stepped:  # the generic step (where the blockwise one cannot be sure of its checks, too)
-        encode_s = [0.0]
-        proposals = [s.propose(lambda dt: encode_s.__setitem__(0, encode_s[0] + dt)) for s in live]
-        times["encode_s"] = encode_s[0]
+        proposals = [s.propose() for s in live]
+        times["encode_s"] = sum(p.encode_s for p in proposals)
         try:
-            size = check_update(
-                "proposed update", {}, size=kernels.root(v for _, v in sorted(_union(p.u_sq for p in proposals).items())), params_norm=theta_norm
-            )
+            size = check_update("proposed update", {}, size=_root(p.u_sq for p in proposals), params_norm=theta_norm)
             failed = next((p.failed for p in proposals if p.failed is not None), None)
             if failed is not None:
                 raise OuterStepRefused(failed)
             if any(p.sent_sq is not None for p in proposals):
                 sent_sq = _union(p.sent_sq if p.sent_sq is not None else p.u_sq for p in proposals)
-                size = check_update("update as sent", {}, size=kernels.root(v for _, v in sorted(sent_sq.items())), params_norm=theta_norm)
+                size = check_update("update as sent", {}, size=_root([sent_sq]), params_norm=theta_norm)
         except OuterStepRefused as e:
             refusal = str(e)
             for s in live:
@@ -244,6 +241,11 @@ def commit_shards(
     )
     times["record_s"] = time.perf_counter() - t2
     return record, [c for s in shards for c in s.chunks]
+
+
+def _root(parts: Iterable[Mapping[str, float]]) -> float:
+    """The norm whose per-tensor squares the shards gave (``parts``), added in name order."""
+    return kernels.root(v for _, v in sorted(_union(parts).items()))
 
 
 def _union(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

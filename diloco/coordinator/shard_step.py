@@ -16,7 +16,7 @@ generic step (``mean``, ``propose``, ``settle``), each the same bits as the othe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ class Proposal:
     u_sq: dict[str, float]
     sent_sq: dict[str, float] | None
     failed: str | None
+    encode_s: float  # the downlink's encoding (and decoding) of it
 
 
 class ShardStep:
@@ -87,7 +88,7 @@ class ShardStep:
         self.digests, self.sent_sq = self.blocks.digests, self.blocks.sent_sq
 
     # ---- the generic path ------------------------------------------------------------------
-    def propose(self, transmit_times: Callable[[float], None]) -> Proposal:
+    def propose(self) -> Proposal:
         """The optimizer's step tried (θ and its state held until ``settle``) and its update
         encoded for the downlink; what the generic step would refuse is reported, not raised."""
         if self._mean is None:
@@ -108,11 +109,9 @@ class ShardStep:
             failed = str(e)
         except Exception as e:  # noqa: BLE001 - the step refuses it, as OuterOptimizer.step does
             failed = f"the outer step failed: {type(e).__name__}: {e}"
-        finally:
-            transmit_times(time.perf_counter() - t0)
         tentative.sent = sent
         self.chunks = lists[0] if lists else []
-        return Proposal(u_sq, None if sent is tentative.proposed else kernels.squares(sent), failed)
+        return Proposal(u_sq, None if sent is tentative.proposed else kernels.squares(sent), failed, time.perf_counter() - t0)
 
     def settle(self, accept: bool, size: float) -> None:
         """Writes the proposed step (θ := θ + ũ) or puts back θ, the optimizer state and the
