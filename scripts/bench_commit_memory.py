@@ -61,6 +61,9 @@ def main() -> int:
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
     p.add_argument("--path", choices=("auto", "generic"), default="auto")
+    p.add_argument(
+        "--shards", type=int, default=1, help="coordinator.shards: the data plane cut into this many ranges, a thread each (diloco.coordinator.shards)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the rounds' figures here")
     a = p.parse_args()
 
@@ -105,18 +108,28 @@ def main() -> int:
     cfg = CoordinatorConfig(
         total_rounds=a.rounds, codec_down=a.codec_down, error_feedback_down=not a.no_error_feedback, fragments=a.fragments, fragment_split="balanced"
     )
-    shard = Shard(OuterConfig(), cfg)
+    if a.shards > 1:
+        import dataclasses
+
+        from diloco.coordinator.shards import ShardSet
+
+        shard = ShardSet(OuterConfig(), dataclasses.replace(cfg, shards=a.shards))
+    else:
+        shard = Shard(OuterConfig(), cfg)
     shard.install(theta, "bench")
     del theta
     gc.collect()
     base_kb += held_kb
     rows = []
-    print(f"{a.params} parameters, {a.sites} sites, {a.codec_up} up, {a.codec_down} down, path={a.path}, torch threads={torch.get_num_threads()}")
-    print("round  rss_before  peak  rss_after (MiB above baseline; B/param)   commit_s  cpu_s  mean_s  step_s  encode_s  record_s")
+    print(
+        f"{a.params} parameters, {a.sites} sites, {a.codec_up} up, {a.codec_down} down, path={a.path}, torch threads={torch.get_num_threads()}, shards={a.shards}"
+    )
+    print("round  rss_before  peak  rss_after (MiB above baseline; B/param)   commit_s  cpu_s  mean_s  step_s  encode_s  record_s  add_s")
     for r in range(a.rounds):
         names, fragment = shard.open(r)
         state = RoundState.open(r, time.monotonic(), names, fragment)
         specs = shard.round_specs(r)
+        add_s = 0.0
         for s in range(a.sites):
             header = PushHeader(site_id=f"s{s}", round=r, tokens=1000 + 10 * s, train_loss=1.0, inner_steps=1)
             held = HeldPush(specs)
@@ -125,7 +138,9 @@ def main() -> int:
                     held.add(c)
             held.finish()
             weight = state.take(header, time.monotonic(), None)
+            ta = time.perf_counter()
             shard.add(held, float(weight))
+            add_s += time.perf_counter() - ta
             del held
         gc.collect()
         before = _status_kb()["VmRSS"]
@@ -144,6 +159,7 @@ def main() -> int:
             "commit_s": wall,
             "cpu_s": cpu,  # the process's CPU over the commit, every thread's (the hash's worker too)
             **{k: v for k, v in times.items() if k.endswith("_s")},
+            "add_s": add_s,  # the sites' pushes added into the round's sums (the fused intake's add), all of them
             "rejected": record.rejected,
             "sha256": record.global_sha256[:16],
         }
@@ -152,7 +168,7 @@ def main() -> int:
         print(
             f"{r:5d}  {row['rss_before_mib']:8.0f} ({row['rss_before_mib'] * per:4.1f})  {row['peak_mib']:6.0f} ({row['peak_mib'] * per:4.1f})"
             f"  {row['rss_after_mib']:6.0f} ({row['rss_after_mib'] * per:4.1f})   {wall:7.3f}  {cpu:5.3f}  {times.get('mean_s', 0):6.3f}  {times.get('step_s', 0):6.3f}"
-            f"  {times.get('encode_s', 0):7.3f}  {times.get('record_s', 0):7.3f}  {row['sha256']}{'  rejected' if record.rejected else ''}"
+            f"  {times.get('encode_s', 0):7.3f}  {times.get('record_s', 0):7.3f}  {add_s:5.3f}  {row['sha256']}{'  rejected' if record.rejected else ''}"
         )
     if a.json is not None:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rounds": rows}, indent=1))

@@ -63,6 +63,9 @@ class CoordinatorOptions:
     staging_stall_s: float = setting(
         2.0, doc="a held push that waited this long for its next chunk gives its slot to a waiting push and is refused (retried); .inf: never"
     )
+    shards: int = setting(
+        1, doc="the parameters cut into this many ranges of whole tensors, each added and committed on its own thread; θ is the same bits for any cut"
+    )
     reflection: bool = setting(False, doc="gRPC server reflection too (grpcurl lists the services); the standard health service is always on")
     metrics: MetricsConfig = setting(doc="this process's Prometheus endpoint (the metrics section)", factory=MetricsConfig)
     status: StatusConfig = setting(doc="the read-only status page (the status section)", factory=StatusConfig)
@@ -70,6 +73,8 @@ class CoordinatorOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.reflection, bool):
             raise ConfigError(f"coordinator.reflection={self.reflection!r}: must be true or false")
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ConfigError(f"coordinator.shards={self.shards!r}: must be an integer >= 1")
 
 
 def run_coordinator(
@@ -127,7 +132,9 @@ def _serve_run(
     )  # fmt: skip
     coordinator.on_commit.append(reporter.submit)
     observer.attach(coordinator)
-    coordinator.on_init.append(lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params, sha256 {coordinator.global_sha256()[:16]}"))
+    coordinator.on_init.append(
+        lambda who: log(f"θ₀ received from {who}: {_count(coordinator)} params{_cut(coordinator)}, sha256 {coordinator.global_sha256()[:16]}")
+    )
     if attach is not None:
         attach(coordinator)
     limits = ServerLimits(max_rpcs=opts.max_rpcs, max_rpcs_per_site=opts.max_rpcs_per_site, stream_idle_s=opts.stream_idle_s)
@@ -147,7 +154,7 @@ def _serve_run(
     stop_ticker = coordinator.start_ticker()  # leases and deadlines are checked even when nobody calls
     start = time.monotonic()
     try:
-        what = f"{_count(coordinator)} params from {source}" if coordinator.ready else "θ₀ from the first site that joins (init=site)"
+        what = f"{_count(coordinator)} params from {source}{_cut(coordinator)}" if coordinator.ready else "θ₀ from the first site that joins (init=site)"
         log(
             f"coordinator listening on {opts.host}:{port}: {what}, {cfg.sync_rounds} rounds{_fragments(cfg)}, a round needs {_min_sites(cfg, opts)} site(s), evaluation by the {eval_by}; {cfg.security.describe()}"
         )
@@ -207,6 +214,7 @@ def coordinator_config(cfg: RunConfig, opts: CoordinatorOptions, init_source: st
         max_concurrent_pushes=opts.max_concurrent_pushes,
         staging_timeout_s=opts.staging_timeout_s,
         staging_stall_s=opts.staging_stall_s,
+        shards=opts.shards,
     )
 
 
@@ -309,6 +317,12 @@ def coordinator_evaluator(cfg: RunConfig, theta0: dict[str, torch.Tensor] | None
 
 def _count(coordinator: Coordinator) -> int:
     return sum(math.prod(s.shape) for s in coordinator.specs.values())
+
+
+def _cut(coordinator: Coordinator) -> str:
+    """How the parameters are cut into shards (coordinator.shards), for the log; "" for one."""
+    sizes = coordinator.shard_sizes()
+    return f" cut into {len(sizes)} shards of {', '.join(map(str, sizes))} params" if len(sizes) > 1 else ""
 
 
 def _resume(coordinator: Coordinator, directory: Path, log: Callable[[str], None]) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ RUN_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig))  # the run's own
 
 # Each entry point's own top-level keys, besides the run's (RUN_KEYS).
 SECTIONS = {
-    "sim": ("sim", "faults", "wan", "site_wan", "metrics", "status", "progress"),
+    "sim": ("sim", "coordinator", "faults", "wan", "site_wan", "metrics", "status", "progress"),
     "coordinator": ("coordinator", "metrics", "status"),
     "site": ("site", "metrics", "progress"),
 }

@@ -44,6 +44,7 @@ PROCESS_SECTIONS: list[tuple[str, type, str, dict[str, str]]] = [
     ("coordinator", CoordinatorOptions, "coordinator.yaml", {}),
     ("site", SiteOptions, "site.yaml", {"id": "site_id"}),
     ("sim", SimOptions, "sim.yaml", {}),
+    ("coordinator", CoordinatorOptions, "sim.yaml", {}),  # the coordinator's keys diloco-sim passes on
     ("metrics", MetricsConfig, "coordinator.yaml", {}),
     ("status", StatusConfig, "coordinator.yaml", {}),
     ("progress", ProgressConfig, "site.yaml", {}),

@@ -14,7 +14,7 @@ from diloco.data import DataError
 from diloco.io import exit_process
 from diloco.observe.logs import setup_logging
 from diloco.sim.launcher import SimError, run_simulation
-from diloco.sim.sections import sim_faults, sim_metrics, sim_options, sim_status, sim_wan
+from diloco.sim.sections import sim_coordinator, sim_faults, sim_metrics, sim_options, sim_status, sim_wan
 
 
 @hydra.main(config_path="pkg://diloco.conf", config_name="sim", version_base=None)
@@ -22,6 +22,7 @@ def _main(cfg: DictConfig) -> None:
     try:
         rc = run_config(cfg, SECTIONS["sim"])
         sim = sim_options(section(cfg, "sim"))
+        shards = sim_coordinator(section(cfg, "coordinator") if cfg.get("coordinator") is not None else None, rc)
         faults = sim_faults(section(cfg, "faults"), rc)
         metrics_port = sim_metrics(section(cfg, "metrics") if cfg.get("metrics") is not None else None, rc)
         status_port = sim_status(section(cfg, "status") if cfg.get("status") is not None else None, rc)
@@ -35,7 +36,7 @@ def _main(cfg: DictConfig) -> None:
     try:
         summary = run_simulation(
             rc, out, timeout_s=float(sim.timeout_s), progress=log, resume=sim.resume, faults=faults, credentials=sim.credentials, wan=wan,
-            plots=sim.plots, metrics_port=metrics_port, status_port=status_port, live=live, fork=sim.fork,
+            plots=sim.plots, metrics_port=metrics_port, status_port=status_port, live=live, fork=sim.fork, coordinator_shards=shards,
         )  # fmt: skip
     except DataError as e:
         fail(f"bad data: {e}")

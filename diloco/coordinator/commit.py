@@ -103,6 +103,9 @@ class UpdateEncoder:
         return sent
 
 
+Each = Callable[[Callable[[ShardStep], Any], list[ShardStep]], list[Any]]
+
+
 @dataclass(frozen=True)
 class Closing:
     """Who is in a closing round, and the times its record needs."""
@@ -140,7 +143,12 @@ def commit(
 
 
 def commit_shards(
-    state: RoundState, shards: list[ShardStep], guard: SpikeGuard, closing: Closing, times: dict[str, float] | None = None
+    state: RoundState,
+    shards: list[ShardStep],
+    guard: SpikeGuard,
+    closing: Closing,
+    times: dict[str, float] | None = None,
+    each: Each = lambda fn, items: [fn(x) for x in items],
 ) -> tuple[RoundRecord, list[Chunk]]:
     """``commit`` of a round whose parameters are cut into ranges, each ``shards``' own (in
     name order: the update's chunks are theirs one after the other). The checks are made
@@ -149,7 +157,9 @@ def commit_shards(
     a shard writes only once every check passed, and every shard or none steps.
 
     Norms are diloco.coordinator.kernels.squares' parts added in name order (kernels.norm's
-    value where the compiled loops are present)."""
+    value where the compiled loops are present). ``each(fn, shards)``: runs a step on every
+    shard, one after the other or at once (diloco.coordinator.shards: a thread each), and
+    returns the results in order."""
     times = times if times is not None else {}
     t0 = time.perf_counter()
     r = state.number
@@ -158,8 +168,7 @@ def commit_shards(
     blockwise = refusal is None and all(s.blocks is not None for s in live)
     g_sq: dict[str, float] = {}
     if refusal is None:
-        for s in live:
-            got = s.check_blocks() if blockwise else s.mean()
+        for got in each(lambda s: s.check_blocks() if blockwise else s.mean(), live):
             if isinstance(got, str):
                 refusal = got
                 break
@@ -172,7 +181,7 @@ def commit_shards(
         refusal = None if verdict.accepted else verdict.describe()
     t1 = time.perf_counter()
     times["mean_s"] = t1 - t0
-    theta_norm = functools.cache(lambda: _root(s.theta_sq() for s in live))
+    theta_norm = functools.cache(lambda: _root(each(ShardStep.theta_sq, live)))
     stepped, update_norm = False, 0.0
     if refusal is None and blockwise:
         blocks = [s.blocks for s in live if s.blocks is not None]
@@ -185,12 +194,11 @@ def commit_shards(
             first = blocks[0]
             bound_sq = commit_blocks.total(v for _, v in sorted(_union(b.bound_sq for b in blocks).items()))  # added as squares, no root
             if commit_blocks.sure_of(first.lossless, first.codec_block, all(b.x_finite for b in blocks), bound_sq, theta_norm):
-                for s in live:
-                    s.apply_blocks(times)
+                each(lambda s: s.apply_blocks(times), live)
                 stepped = True
                 update_norm = _root(s.sent_sq for s in live)
     if refusal is None and not stepped:  # the generic step (where the blockwise one cannot be sure of its checks, too)
-        proposals = [s.propose() for s in live]
+        proposals = each(ShardStep.propose, live)
         times["encode_s"] = sum(p.encode_s for p in proposals)
         try:
             size = check_update("proposed update", {}, size=_root(p.u_sq for p in proposals), params_norm=theta_norm)
@@ -202,11 +210,9 @@ def commit_shards(
                 size = check_update("update as sent", {}, size=_root([sent_sq]), params_norm=theta_norm)
         except OuterStepRefused as e:
             refusal = str(e)
-            for s in live:
-                s.settle(False, 0.0)
+            each(lambda s: s.settle(False, 0.0), live)
         else:
-            for s in live:
-                s.settle(True, size)
+            each(lambda s: s.settle(True, size), live)
             stepped, update_norm = True, size
     if not stepped:
         for s in shards:  # θ, the outer optimizer and the downlink residual stay; sites apply a zero update
@@ -234,7 +240,7 @@ def commit_shards(
         sliced={site: parts for site, parts in sorted(state.sliced.items()) if site in state.pushes},
         evicted=sorted(set(state.evicted)),
         fragment=state.fragment,
-        global_sha256=combine_sha256(_union(s.theta_digests() for s in shards)),
+        global_sha256=combine_sha256(_union(each(ShardStep.theta_digests, shards))),
         wall_s=closing.now - state.opened_at,
         elapsed_s=closing.now - closing.started,
         params={n: p.clone() for s in shards for n, p in s.outer.params.items()} if closing.snapshot else None,

@@ -143,7 +143,7 @@ class BlockCommit:
         return sure_of(self.lossless, self.codec_block, self._x_finite, self._bound_sq, lambda: self.outer.norm(before))
 
     # ---- pass 2 --------------------------------------------------------------------------
-    def apply(self, sink: Callable[[list[Chunk]], None], times: dict[str, float]) -> str:
+    def apply(self, sink: Callable[[list[Chunk]], None], times: dict[str, float], lane: int = 0) -> str:
         """Pass 2: writes the momentum, the residual and θ, hands the chunks to ``sink`` and
         returns θ's SHA-256 (params_sha256's; each tensor's parts stay in ``digests``, the
         update's squares in ``sent_sq``). Only after ``sure`` said True."""
@@ -158,7 +158,7 @@ class BlockCommit:
         sent_sq: dict[str, float] = {}
         chunks: list[Chunk] = []
         encode_s = 0.0
-        digest = _Digest()
+        digest = _Digest(lane)
         try:
             for name in self.outer.names:
                 param = self.outer.params[name]
@@ -310,13 +310,14 @@ def sure_of(lossless: bool, codec_block: int, x_finite: bool, bound_sq: float, t
     return bound <= ABSURD_UPDATE_RATIO or bound <= ABSURD_UPDATE_RATIO * max(theta_norm(), 1.0)
 
 
-def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """This process's hashing thread (a forked child gets its own: the parent's is not there)."""
-    return _hash_worker_of(os.getpid())
+def _hash_worker(lane: int) -> concurrent.futures.ThreadPoolExecutor:
+    """This process's hashing thread for ``lane`` (a commit's shard: shards committing at once
+    hash on threads of their own; a forked child gets its own: the parent's is not there)."""
+    return _hash_worker_of(os.getpid(), lane)
 
 
 @functools.cache
-def _hash_worker_of(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+def _hash_worker_of(pid: int, lane: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit-hash")
 
 
@@ -330,7 +331,8 @@ class _Digest:
 
     _BATCH = 1 << 22
 
-    def __init__(self) -> None:
+    def __init__(self, lane: int = 0) -> None:
+        self._lane = lane
         self._tensors: dict[str, tuple[bytes, hashlib._Hash]] = {}
         self._current: hashlib._Hash | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
@@ -354,7 +356,7 @@ class _Digest:
     def _flush(self) -> None:
         if self._batch:
             batch, self._batch, self._bytes = self._batch, [], 0
-            self._pending.append(_hash_worker().submit(_feed, batch))
+            self._pending.append(_hash_worker(self._lane).submit(_feed, batch))
 
     def parts(self) -> dict[str, tuple[bytes, bytes]]:
         """Each tensor's header and digest (combine_sha256 makes params_sha256 of them)."""

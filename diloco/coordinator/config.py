@@ -39,6 +39,9 @@ class CoordinatorConfig:
     aggregate: str = "mean"  # the round's average: mean | nonzero | trimmed_mean | median (diloco.outer.aggregate)
     chunk_bytes: int = MAX_CHUNK_BYTES
     max_concurrent_pushes: int = 2  # staging buffers; bounds decode memory independent of sites
+    # The parameters cut into this many ranges of whole tensors, each a shard with its own θ,
+    # outer optimizer, residual and sum, added and committed on its own thread (diloco.coordinator.shards)
+    shards: int = 1
     keep_updates: int = 2  # committed updates kept for PullUpdate; older ones need PullGlobal
     snapshot_every: int = 0  # attach a copy of θ to every k-th RoundRecord (0: never; last round always)
     checkpoint_dir: str | None = None  # write an atomic checkpoint here after every commit, before publishing it
@@ -70,7 +73,7 @@ class CoordinatorConfig:
     bundle_downlink: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates", "max_tokens_per_push"):
+        for name in ("total_rounds", "min_sites", "max_concurrent_pushes", "keep_updates", "max_tokens_per_push", "shards"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")

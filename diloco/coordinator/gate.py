@@ -9,13 +9,13 @@ import threading
 
 from diloco.coordinator.round_book import Phase, RoundBook
 from diloco.coordinator.sessions import Sessions
-from diloco.coordinator.shard import Shard
+from diloco.coordinator.shards import ShardSet
 from diloco.errors import CoordinatorError
 from diloco.security.ids import site_id_problem
 
 
 class Gate:
-    def __init__(self, cv: threading.Condition, sessions: Sessions, book: RoundBook, shard: Shard) -> None:
+    def __init__(self, cv: threading.Condition, sessions: Sessions, book: RoundBook, shard: ShardSet) -> None:
         self.cv = cv
         self._sessions, self._book, self._shard = sessions, book, shard
         self.failed: str | None = None  # what failed; every call is refused from then on

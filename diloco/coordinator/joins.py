@@ -21,7 +21,7 @@ from diloco.coordinator.init_source import InitParts, checked_upload, decode_upl
 from diloco.coordinator.intake import Intake
 from diloco.coordinator.round_book import RoundBook
 from diloco.coordinator.sessions import Sessions
-from diloco.coordinator.shard import Shard
+from diloco.coordinator.shards import ShardSet
 from diloco.errors import CoordinatorError
 from diloco.security.ids import quote, site_id_problem
 from diloco.types import Chunk, JoinInfo, JoinRequest, PushHeader, PushResult, RoundStatus, SiteEval
@@ -36,7 +36,7 @@ class Joins:
         cfg: CoordinatorConfig,
         gate: Gate,
         sessions: Sessions,
-        shard: Shard,
+        shard: ShardSet,
         intake: Intake,
         book: RoundBook,
         *,

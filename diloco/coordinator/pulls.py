@@ -20,7 +20,7 @@ from diloco.coordinator.downlink import Downlink
 from diloco.coordinator.gate import Gate
 from diloco.coordinator.round_book import RoundBook
 from diloco.coordinator.sessions import Sessions
-from diloco.coordinator.shard import Shard
+from diloco.coordinator.shards import ShardSet
 from diloco.errors import CoordinatorError
 from diloco.types import Chunk, RoundStatus
 from diloco.wire import encode_chunks
@@ -36,7 +36,7 @@ class Pulls:
         gate: Gate,
         sessions: Sessions,
         book: RoundBook,
-        shard: Shard,
+        shard: ShardSet,
         downlink: Callable[[], Downlink],
         *,
         clock: Callable[[], float],

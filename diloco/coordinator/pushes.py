@@ -21,7 +21,7 @@ from diloco.coordinator.gate import Gate
 from diloco.coordinator.intake import Intake
 from diloco.coordinator.round_book import RoundBook
 from diloco.coordinator.sessions import Sessions
-from diloco.coordinator.shard import Shard
+from diloco.coordinator.shards import ShardSet
 from diloco.coordinator.verdict import PushFacts, push_verdict
 from diloco.errors import CoordinatorError
 from diloco.types import Chunk, PushHeader, PushResult
@@ -35,7 +35,7 @@ class Pushes:
         gate: Gate,
         sessions: Sessions,
         book: RoundBook,
-        shard: Shard,
+        shard: ShardSet,
         intake: Intake,
         *,
         clock: Callable[[], float],

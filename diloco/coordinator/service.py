@@ -22,6 +22,7 @@ meanwhile; pushes for the closing round and pulls of θ wait for the publication
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -44,7 +45,7 @@ from diloco.coordinator.pulls import Pulls
 from diloco.coordinator.pushes import Pushes
 from diloco.coordinator.round_book import KEEP_RECORDS, Phase, RoundBook
 from diloco.coordinator.sessions import Sessions
-from diloco.coordinator.shard import Shard
+from diloco.coordinator.shards import ShardSet
 from diloco.errors import CoordinatorError
 from diloco.outer import OuterConfig, params_sha256
 from diloco.outer.pseudo_gradient import params_sha256_v1
@@ -85,7 +86,7 @@ class Coordinator:
         self.sessions = Sessions(cfg, clock)
         self.book = RoundBook(cfg.total_rounds, clock(), cfg.quorum.withheld)
         # data plane
-        self.shard = Shard(outer, cfg)
+        self.shard = ShardSet(outer, cfg)  # the data plane, cut into coordinator.shards ranges
         self.intake = Intake(cfg)
         self._downlink = Downlink({}, cfg.keep_updates, cfg.bundle_bytes)  # what pullers get
         # the calls
@@ -188,6 +189,11 @@ class Coordinator:
     def wait_ready(self, timeout_s: float) -> bool:
         with self._cv:
             return self._cv.wait_for(lambda: self.shard.ready, timeout=timeout_s)
+
+    def shard_sizes(self) -> list[int]:
+        """Parameters in each of the data plane's ranges (coordinator.shards; one before θ₀)."""
+        with self._cv:
+            return [sum(math.prod(s.shape) for s in part.specs.values()) for part in self.shard.parts]
 
     @property
     def committed_rounds(self) -> int:

@@ -103,22 +103,15 @@ class Shard:
     def check_fragment(self, round: int, name: str) -> None:
         """A chunk of a tensor that round ``round``'s fragment does not hold is refused, saying
         which fragment it belongs to (an unknown name is left to the assembler to name)."""
-        if self.cfg.fragments == 1:
-            return
-        fragment = fragment_of_round(round, self.cfg.fragments)
-        if name in self.split[fragment]:
-            return
-        owner = next((i for i, part in enumerate(self.split) if name in part), None)
-        if owner is not None:
-            raise CoordinatorError(
-                "invalid_argument",
-                f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {self.cfg.fragments}",
-            )
+        why = fragment_problem(self.split, self.cfg.fragments, round, name)
+        if why is not None:
+            raise CoordinatorError("invalid_argument", why)
 
-    def step(self, round: int) -> ShardStep:
-        """Its part of the open round's commit, for a coordinator cut by range (commit_shards)."""
+    def step(self, round: int, lane: int = 0) -> ShardStep:
+        """Its part of the open round's commit, for a coordinator cut by range (commit_shards;
+        ``lane``: its index there)."""
         assert self.outer is not None and self.encoder is not None
-        return ShardStep(self.names, self.acc, self.outer, self.encoder, round)
+        return ShardStep(self.names, self.acc, self.outer, self.encoder, round, lane)
 
     def commit(self, state: Any, closing: Closing, times: dict[str, Any]) -> tuple[RoundRecord, list[Chunk]]:
         """The open round's outer step (diloco.coordinator.commit: total); θ's hash moves with it."""
@@ -148,3 +141,16 @@ class Shard:
         if self.encoder.feedback is not None:
             self.encoder.feedback.carry(state["down_residual"])
         self.guard = SpikeGuard(self.cfg.guard, list(state.get("guard_history", [])))
+
+
+def fragment_problem(split: tuple[tuple[str, ...], ...], fragments: int, round: int, name: str) -> str | None:
+    """Why a push for ``round`` may not carry tensor ``name`` (another fragment's), or None."""
+    if fragments == 1:
+        return None
+    fragment = fragment_of_round(round, fragments)
+    if name in split[fragment]:
+        return None
+    owner = next((i for i, part in enumerate(split) if name in part), None)
+    if owner is None:
+        return None
+    return f"push for round {round} carries {quote(name, 80)}, of fragment {owner}; round {round} syncs fragment {fragment} of {fragments}"

@@ -48,8 +48,11 @@ class ShardStep:
     round's fragment has none of them), ``acc`` their sum of the round's pushes, ``outer`` and
     ``encoder`` its θ, optimizer and downlink."""
 
-    def __init__(self, names: Iterable[str], acc: WeightedMean | StackedAggregate, outer: OuterOptimizer, encoder: UpdateEncoder, round: int) -> None:
-        self.acc, self.outer, self.encoder, self.round = acc, outer, encoder, round
+    def __init__(
+        self, names: Iterable[str], acc: WeightedMean | StackedAggregate, outer: OuterOptimizer, encoder: UpdateEncoder, round: int, lane: int = 0
+    ) -> None:
+        """``lane``: which hashing thread its blockwise pass uses (the shard's index)."""
+        self.acc, self.outer, self.encoder, self.round, self.lane = acc, outer, encoder, round, lane
         self.names = sorted(names)
         self.blocks = commit_blocks.plan(acc, outer, encoder, round) if self.names else None
         self.chunks: list[Chunk] = []
@@ -84,7 +87,7 @@ class ShardStep:
         """Pass 2, once every shard's pass 1 passed the checks: writes θ, the momentum and
         the residual; its chunks, digests and the update's squares are kept."""
         assert self.blocks is not None
-        self.blocks.apply(self.chunks.extend, times)
+        self.blocks.apply(self.chunks.extend, times, self.lane)
         self.digests, self.sent_sq = self.blocks.digests, self.blocks.sent_sq
 
     # ---- the generic path ------------------------------------------------------------------

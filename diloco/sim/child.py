@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-file", help="with --metrics-port: write where /metrics is served there (JSON)")
     p.add_argument("--status-port", type=int, default=None, help="coordinator: serve the status page on this port (0: any free one)")
     p.add_argument("--status-file", help="with --status-port: write where the status page is served there (JSON)")
+    p.add_argument("--shards", type=int, default=1, help="coordinator: coordinator.shards (its parameters cut into this many ranges)")
     p.add_argument("--sites-done-file", help="coordinator: after the last round, stop waiting for sites once this file exists")
     args = p.parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = CoordinatorOptions(
             host="127.0.0.1", port=args.port, port_file=args.port_file, checkpoint_dir=args.checkpoint_dir, metrics=metrics,
             status=StatusConfig(port=args.status_port, port_file=args.status_file),  # 127.0.0.1; port None: no page
-            sites_done_file=args.sites_done_file,
+            sites_done_file=args.sites_done_file, shards=args.shards,
         )  # fmt: skip
         run_coordinator(cfg, opts, args.run_dir, log=log, attach=coordinator_hooks(plan) if plan else None)
     elif args.role == "site":

@@ -65,6 +65,7 @@ def run_simulation(
     status_port: int | None = None,
     live: ProgressConfig | None = None,
     fork: bool = True,
+    coordinator_shards: int = 1,
 ) -> dict[str, Any]:
     """Runs ``cfg`` as separate OS processes and returns the summary (also in run_dir/summary.json).
 
@@ -113,7 +114,7 @@ def run_simulation(
     # Its imports (seconds of CPU) run while this process checks the data and the config.
     zygote = Zygote(run_dir, child_env()) if fork and _on_cpu(cfg) else None
     try:
-        return _run(cfg, run_dir, say, zygote, timeout_s, resume, faults, credentials, wan, plots, metrics_port, status_port, live)
+        return _run(cfg, run_dir, say, zygote, timeout_s, resume, faults, credentials, wan, plots, metrics_port, status_port, live, coordinator_shards)
     finally:
         if zygote is not None:
             zygote.close()
@@ -131,6 +132,7 @@ def _on_cpu(cfg: RunConfig) -> bool:
 def _run(
     cfg: RunConfig, run_dir: Path, say: Callable[[str], None], zygote: Zygote | None, timeout_s: float, resume: bool, faults: FaultsConfig | Mapping[str, Any] | None,
     credentials: bool, wan: WanPlan | None, plots: bool, metrics_port: int | None, status_port: int | None, live: ProgressConfig | None,
+    coordinator_shards: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     rd = RunDir(run_dir)
     cfg = _with_preset(cfg, rd, wan, resume, say)
@@ -150,7 +152,7 @@ def _run(
     common = ["--config", str(config_path), "--run-dir", str(run_dir)]
     shown = live_progress(cfg, live, say)
     try:
-        _start_processes(cfg, run_dir, common, procs, start, shown.say, wan, metrics_port, status_port, zygote)
+        _start_processes(cfg, run_dir, common, procs, start, shown.say, wan, metrics_port, status_port, zygote, coordinator_shards)
         supervise(procs, run_dir, cfg, deadline=start + timeout_s, say=shown.say, live=shown)
     finally:
         shown.close()
@@ -215,7 +217,7 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: Path, faults: FaultsConfig, resume
 
 def _start_processes(
     cfg: RunConfig, run_dir: Path, common: list[str], procs: list[Proc], start: float, say: Callable[[str], None], wan: WanPlan | None = None,
-    metrics_port: int | None = None, status_port: int | None = None, zygote: Zygote | None = None,
+    metrics_port: int | None = None, status_port: int | None = None, zygote: Zygote | None = None, coordinator_shards: int = 1,
 ) -> None:  # fmt: skip
     """Starts the run's processes, appending each to ``procs`` as it starts (so that the caller
     stops every one of them, whatever fails here)."""
@@ -235,7 +237,7 @@ def _start_processes(
         rd.sites_done.unlink(missing_ok=True)  # a resumed run's sites are about to start again
         coordinator = base + [
             "coordinator", *common, "--port-file", str(port_file), "--checkpoint-dir", str(rd.coordinator_checkpoints),
-            "--sites-done-file", str(rd.sites_done), *metrics("coordinator", metrics_port or 0),
+            "--sites-done-file", str(rd.sites_done), *metrics("coordinator", metrics_port or 0), "--shards", str(coordinator_shards),
         ]  # fmt: skip
         if status_port is not None:
             coordinator += ["--status-port", str(status_port), "--status-file", str(rd.status_page)]

@@ -58,6 +58,30 @@ def sim_options(d: Mapping[str, Any] | None) -> SimOptions:
         raise ConfigError(str(e)) from None
 
 
+def sim_coordinator(d: Mapping[str, Any] | None, cfg: RunConfig) -> int:
+    """The ``coordinator`` section (the coordinator's keys diloco-sim passes on: ``shards``);
+    ConfigError naming an unknown key or a bad value: a cut the model cannot take (more
+    shards than tensors) or this machine cannot (no compiled loops), before any process starts."""
+    d = dict(d or {})
+    unknown = sorted(set(d) - {"shards"})
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join('coordinator.' + k for k in unknown)}; known: shards")
+    shards = d.get("shards", 1)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ConfigError(f"coordinator.shards={shards!r}: must be an integer >= 1")
+    if shards > 1 and cfg.mode == "diloco":
+        from diloco.coordinator import kernels
+        from diloco.coordinator.ranges import split_ranges
+
+        if kernels.native is None:
+            raise ConfigError(f"coordinator.shards={shards}: the cut needs the compiled loops (pip install -e . with a C compiler); set coordinator.shards=1")
+        try:
+            split_ranges({n: tuple(p.shape) for n, p in build_model(cfg.model, cfg.seed).named_parameters()}, shards)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return shards
+
+
 def sim_faults(d: Mapping[str, Any] | None, cfg: RunConfig) -> FaultsConfig:
     """The ``faults`` section (plain data) of a simulation of ``cfg``; ConfigError naming the
     event and key that cannot work."""

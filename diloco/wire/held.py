@@ -76,8 +76,11 @@ class HeldPush:
         return self
 
     def accumulate_into(self, sums: Mapping[str, torch.Tensor], alpha: float) -> None:
-        """``sums[name] += alpha * values`` (float64, contiguous) for every chunk kept."""
+        """``sums[name] += alpha * values`` (float64, contiguous) for every chunk kept of a
+        tensor ``sums`` has (a shard of the coordinator takes its own range of a push)."""
         for name, offset, numel, codec, kept in self._kept:
+            if name not in sums:
+                continue
             out = sums[name].view(-1)[offset : offset + numel]
             if isinstance(kept, torch.Tensor):
                 out.add_(kept, alpha=alpha)
@@ -86,7 +89,8 @@ class HeldPush:
             else:
                 codec.accumulate(kept, numel, out, alpha)  # type: ignore[attr-defined]
         for (name, box), values in self._boxes.items():
-            sums[name][box.slices()].add_(values.view(box.shape), alpha=alpha)
+            if name in sums:
+                sums[name][box.slices()].add_(values.view(box.shape), alpha=alpha)
 
 
 def _codec(chunk: Chunk) -> object:

@@ -48,8 +48,9 @@ def kills(tmp_path_factory: pytest.TempPathFactory) -> Run:
         "{kind:kill_coordinator,at_round:4,phase:between,restart_after_s:0.5}",
         "{kind:kill_coordinator,at_round:6,phase:mid,restart_after_s:0.5}",
     )
-    # Delayed Nesterov's state (mid period at both coordinator kills) goes through the checkpoint.
-    dn = ["outer.name=DelayedNesterov", "outer.period=3"]
+    # Delayed Nesterov's state (mid period at both coordinator kills) goes through the checkpoint,
+    # of a coordinator cut into 2 shards (each its own optimizer state: the generic step's path).
+    dn = ["outer.name=DelayedNesterov", "outer.period=3", "coordinator.shards=2"]
     # quorum.min_sites=3: round 0 waits for all three (with the default majority it could close
     # before a site slow to start had joined, as it did once on a loaded CI machine).
     return run_ok(tmp_path_factory.mktemp("kills") / "run", *BASE, "rounds=8", "quorum.min_sites=3", *dn, events, timeout=280)

@@ -189,8 +189,10 @@ def test_single_seed_determinism(single_run: Run, tmp_path: Path) -> None:
 def test_diloco_seed_determinism(diloco_run: Run, tmp_path: Path) -> None:
     # The same config again: its three sites push in whatever order they finish, which differs
     # between the two runs, and the coordinator's sum must not depend on it. Its processes are
-    # fresh interpreters (sim.fork=false), not forked from the zygote: the same bits either way.
-    again = run_ok(tmp_path / "again", "mode=diloco", f"sites={SITES}", *EVERY_SITE, *SMALL, "sim.fork=false")
+    # fresh interpreters (sim.fork=false), not forked from the zygote, and its coordinator cuts
+    # θ into 3 shards (coordinator.shards): the same bits either way.
+    again = run_ok(tmp_path / "again", "mode=diloco", f"sites={SITES}", *EVERY_SITE, *SMALL, "sim.fork=false", "coordinator.shards=3")
+    assert "cut into 3 shards" in (again.run_dir / "logs" / "coordinator.log").read_text()
     assert again.summary["hashes_equal"], again.describe()
     assert [m["global_sha256"] for m in again.metrics] == [m["global_sha256"] for m in diloco_run.metrics]
     assert again.summary["global_sha256"] == diloco_run.summary["global_sha256"]

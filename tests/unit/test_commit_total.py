@@ -52,11 +52,11 @@ def test_a_round_whose_step_would_overflow_is_rejected_and_the_residual_stays() 
     records = []
     coord.on_commit.append(records.append)
     push(coord, "a", 0, filled(THETA, 0.01))
-    residual = coord.shard.encoder.feedback.residual  # noqa: SLF001 - the state the refusal must not move
+    residual = coord.shard.parts[0].encoder.feedback.residual  # noqa: SLF001 - the state the refusal must not move
     theta = coord.global_params()
     push(coord, "a", 1, filled(THETA, 3e38), tokens=2**40)
     assert records[1].rejected and records[1].guard
-    assert coord.shard.encoder.feedback.residual is residual  # noqa: SLF001
+    assert coord.shard.parts[0].encoder.feedback.residual is residual  # noqa: SLF001
     assert all(torch.equal(theta[n], p) for n, p in coord.global_params().items())
     push(coord, "a", 2, filled(THETA, 0.01))
     assert not records[2].rejected and coord.finished

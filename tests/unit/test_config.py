@@ -172,3 +172,21 @@ def test_the_library_refuses_unknown_enum_values_as_the_config_does() -> None:
         CoordinatorConfig(total_rounds=1, quorum={"late": "merge"})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="quorum.late='merg'"):
         run_config_from_dict({"quorum": {"late": "merg"}})
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"shards": 0}, "coordinator.shards=0"),
+        ({"shards": True}, "coordinator.shards=True"),
+        ({"shards": 10_000}, "coordinator.shards=10000: must be an integer from 1 to the model's number of tensors"),
+        ({"colour": 1}, "coordinator.colour"),
+    ],
+)
+def test_diloco_sim_checks_the_coordinators_cut_before_anything_starts(section: dict, field: str) -> None:
+    from diloco.sim.sections import sim_coordinator
+
+    assert sim_coordinator({"shards": 3}, RunConfig()) == 3
+    with pytest.raises(ConfigError) as info:
+        sim_coordinator(section, RunConfig())
+    assert field in str(info.value)

@@ -5,10 +5,14 @@ round of one shard holding every parameter, bit for bit, for S = 2 and 3 on the 
 every round. Over fp32, int8 and topk2bit pushes; fp32, int8 and topk2bit downlinks; fragments
 with a flush round (averaging: the generic path); a round the guard refuses, a mean that is not
 finite and a step over the absurd-update limit (every shard keeps its state); a median of the
-pushes. And the ranges: whole tensors in name order, balanced by elements."""
+pushes. The coordinator's ShardSet: held pushes added by every shard on its own thread, its
+checkpoint restored, and a checkpoint of another cut refused. And the ranges: whole tensors in
+name order, balanced by elements."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,9 +29,11 @@ from diloco.coordinator.guard import GuardConfig, SpikeGuard
 from diloco.coordinator.ranges import split_ranges
 from diloco.coordinator.round_state import RoundState
 from diloco.coordinator.shard import Shard
+from diloco.coordinator.shards import ShardSet
 from diloco.outer import OuterConfig, params_sha256
 from diloco.types import Chunk, PushHeader
 from diloco.wire import ChunkAssembler, encode_chunks, fingerprint
+from diloco.wire.held import HeldPush
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(kernels.native is None, reason="the compiled loops are not built here (setup.py)")]
 
@@ -178,3 +184,43 @@ def test_ranges_are_whole_tensors_in_name_order_balanced_by_elements() -> None:
     for bad in (0, len(SHAPES) + 1, 1.5, True):
         with pytest.raises(ValueError, match="coordinator.shards"):
             split_ranges(SHAPES, bad)  # type: ignore[arg-type]
+
+
+def _held(delta: dict[str, torch.Tensor], codec: str) -> HeldPush:
+    """A push as the fused intake keeps it: its payloads, checked."""
+    held = HeldPush(fingerprint(delta))
+    for c in encode_chunks(delta, codec=make_codec(codec), chunk_bytes=1 << 16):
+        held.add(c)
+    held.finish()
+    return held
+
+
+def _set_round(shards: ShardSet, r: int, codec: str) -> RoundRecord:
+    names, fragment = shards.open(r)
+    state = RoundState.open(r, 0.0, names, fragment)
+    g = _g(2000 + r)
+    for i, tokens in enumerate(TOKENS):
+        weight = state.take(PushHeader(site_id=f"s{i}", round=r, tokens=tokens, train_loss=1.0, inner_steps=1), 0.0, None)
+        shards.add(_held({n: torch.randn(s, generator=g) * 1e-3 for n, s in SHAPES.items()}, codec), float(weight))
+    record, _ = shards.commit(state, Closing(frozenset(), 0.0, 0.0, False), {})
+    return record
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk2bit"])
+def test_the_coordinators_shard_set_takes_held_pushes_on_its_threads_and_restores_only_its_own_cut(codec: str) -> None:
+    cfg = CoordinatorConfig(total_rounds=4, codec_down="int8", chunk_bytes=1 << 16)
+    one, cut = ShardSet(OuterConfig(), cfg), ShardSet(OuterConfig(), dataclasses.replace(cfg, shards=3))
+    for s in (one, cut):
+        s.install(_theta(), "test")
+    assert [len(p.specs) for p in cut.parts] == [len(r) for r in split_ranges(SHAPES, 3)] and cut.hash == one.hash
+    for r in range(2):
+        want, got = _set_round(one, r, codec), _set_round(cut, r, codec)
+        assert got.summary() == want.summary() and not got.rejected
+    saved = cut.checkpoint()
+    again = ShardSet(OuterConfig(), dataclasses.replace(cfg, shards=3))
+    again.restore(copy.deepcopy(saved))  # as from disk (θ and the momentum are by reference); installs θ₀ from it, then the state
+    assert again.hash == params_sha256(cut.params)  # (the coordinator sets hash when it publishes a round)
+    assert _set_round(again, 2, codec).summary() == _set_round(cut, 2, codec).summary() == _set_round(one, 2, codec).summary()
+    for other, state in ((ShardSet(OuterConfig(), cfg), saved), (ShardSet(OuterConfig(), dataclasses.replace(cfg, shards=2)), one.checkpoint())):
+        with pytest.raises(ValueError, match="cut into .* shards; this one has coordinator.shards"):
+            other.restore(state)
