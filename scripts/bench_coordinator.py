@@ -429,7 +429,8 @@ def _run_processes(a: argparse.Namespace, codec: str, n: int, theta: Path, delta
     overrides = [
         "init=file", f"init.path={theta}", f"sites={n}", f"rounds={a.warmup + a.rounds}", f"codec={codec}", "eval_by=sites",
         "coordinator.host=127.0.0.1", "coordinator.port=0", f"coordinator.port_file={d / 'port.json'}", f"coordinator.min_sites={n}",
-        f"hydra.run.dir={d / 'coord'}", *([] if a.no_checkpoint else [f"coordinator.checkpoint_dir={d / 'checkpoints'}"]), *a.override,
+        f"hydra.run.dir={d / 'coord'}", *([] if a.no_checkpoint else [f"coordinator.checkpoint_dir={d / 'checkpoints'}"]),
+        *([f"coordinator.shards={a.shards}"] if getattr(a, "shards", 1) > 1 else []), *a.override,
     ]  # fmt: skip
     procs = Procs(d)
     sampler: Sampler | None = None
@@ -757,10 +758,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--codec", default="int8")
     s.add_argument("--params", type=_params, default=100_000_000, help="parameters of θ (default 100M)")
     s.add_argument("--sites-list", default="1,2,4,8,16,32")
-    s.add_argument("--shards", type=int, default=1, help="coordinator shards (only 1 for now)")
+    s.add_argument(
+        "--shards", type=int, default=1, help="coordinator.shards: θ cut into this many ranges, a thread each, in the one coordinator process (default 1)"
+    )
     a = p.parse_args(argv)
-    if a.mode == "sites" and a.shards != 1:
-        p.error(f"--shards {a.shards}: only 1 (one coordinator process) is supported for now; a sharded coordinator comes with a later change")
+    if getattr(a, "shards", 1) < 1:
+        p.error(f"--shards {a.shards}: must be >= 1")
     if a.rounds < 1 or a.warmup < 0 or a.deltas < 1:
         p.error("--rounds must be >= 1, --warmup >= 0, --deltas >= 1")
     a.coordinator_pythonpath = a.coordinator_pythonpath.resolve()

@@ -30,10 +30,11 @@ def test_the_plans() -> None:
     assert sites.plan == [("int8", 1), ("int8", 2), ("int8", 4)] and sites.params == 100_000_000
 
 
-def test_one_shard_only(capsys: pytest.CaptureFixture[str]) -> None:
+def test_shards_go_to_the_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_coordinator.parse(["sites", "--shards", "2"]).shards == 2
     with pytest.raises(SystemExit):
-        bench_coordinator.parse(["sites", "--shards", "2"])
-    assert "only 1" in capsys.readouterr().err
+        bench_coordinator.parse(["sites", "--shards", "0"])
+    assert "--shards 0" in capsys.readouterr().err
 
 
 def test_a_tree_without_the_coordinator_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
