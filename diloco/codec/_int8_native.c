@@ -50,6 +50,7 @@
  *     For n elements (theta: n float32, sums: n float64): g = (float)(sums / W);
  *     mom_mode 0 (no momentum): v = g; 1 (no buffer yet): b = g, 2: b = mom * mu + g, then
  *     v = fmaf(mu, b, g) (b written to mom when write_mom); u = fmaf(nlr, v, theta) - theta;
+ *     mom_mode 3 (an averaging round: θ − mean Δ, no outer step): u = -g;
  *     x = u + resid (beta 1) or u + resid * beta (resid None: x = u), written to x_out when
  *     given. lanes_g and lanes_u (None or 16 float64) take g's and u's squares as sumsq_f32
  *     does; with cb > 0, stats (2 float64) takes, per block of cb elements of x from the
@@ -379,7 +380,7 @@ static inline __attribute__((always_inline)) void outer_pass_loop(const PassArgs
         for (Py_ssize_t j = 0; j < m; j++) g[j] = (float)(s[j] / a->W);
         if (a->lanes_g) sumsq_acc(g, m, a->lanes_g);
         const float *v = g;
-        if (a->mom_mode) {
+        if (a->mom_mode == 1 || a->mom_mode == 2) {
             if (a->mom_mode == 2) {
                 const float *mo = a->mom + i0;
                 for (Py_ssize_t j = 0; j < m; j++) b[j] = mo[j] * a->mu + g[j];
@@ -390,7 +391,10 @@ static inline __attribute__((always_inline)) void outer_pass_loop(const PassArgs
             for (Py_ssize_t j = 0; j < m; j++) b[j] = fmaf(a->mu, b[j], g[j]);
             v = b;
         }
-        for (Py_ssize_t j = 0; j < m; j++) u[j] = fmaf(a->nlr, v[j], th[j]) - th[j];
+        if (a->mom_mode == 3)
+            for (Py_ssize_t j = 0; j < m; j++) u[j] = -v[j];
+        else
+            for (Py_ssize_t j = 0; j < m; j++) u[j] = fmaf(a->nlr, v[j], th[j]) - th[j];
         if (a->lanes_u) sumsq_acc(u, m, a->lanes_u);
         const float *x = u;
         if (a->resid) {
@@ -514,7 +518,7 @@ static PyObject *outer_pass(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     for (int i = 0; i < 6; i++) bufs[i].obj = NULL;
     a.n = tb.len / 4;
-    if (tb.len % 4 || sb.len != 8 * a.n || a.mom_mode < 0 || a.mom_mode > 2 || a.cb < 0) {
+    if (tb.len % 4 || sb.len != 8 * a.n || a.mom_mode < 0 || a.mom_mode > 3 || a.cb < 0) {
         PyErr_SetString(PyExc_ValueError, "outer_pass: sums (float64), theta (float32) or a mode do not agree");
         goto done;
     }

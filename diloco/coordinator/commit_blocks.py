@@ -4,7 +4,8 @@ temporaries (the float32 mean, θ's and the momentum's copies, the gradient, the
 compensated and decoded updates, the new residual).
 
 It takes the common round: the mean of a WeightedMean (``aggregate=mean``), torch's SGD with
-Nesterov momentum and nothing more (OuterOptimizer.nesterov_step), not an averaging round;
+Nesterov momentum and nothing more (OuterOptimizer.nesterov_step), or an averaging round of
+any optimizer (θ − mean Δ: streaming's flush rounds, final_average's last round);
 a lossless downlink (fp32, fp32+zstd) or a blockwise-scaled one (int8, int4, e3m0, each also
 +zstd); the compiled loops present and agreeing with
 torch on this machine (diloco.coordinator.kernels.available); the outer optimizer measuring
@@ -76,7 +77,7 @@ class _Tensor:
 
     theta: torch.Tensor
     sums: torch.Tensor
-    mode: int  # 0: no momentum this round; 1: no buffer yet (torch starts it as the gradient); 2: a buffer
+    mode: int  # 0: no momentum this round; 1: no buffer yet (torch starts it as the gradient); 2: a buffer; 3: an averaging round (u = −g)
     momentum: torch.Tensor | None
     residual: torch.Tensor | None  # the residual read into x (None: none yet, or no error feedback)
 
@@ -96,7 +97,7 @@ class BlockCommit:
         self.feedback = feedback
         self.beta = feedback.decay if feedback is not None else 1.0
         residual = feedback.residual if feedback is not None and feedback.residual is not None else {}
-        mode = 0 if step.momentum == 0 else None
+        mode = 3 if step.averaging else 0 if step.momentum == 0 else None
         self.tensors = {
             n: _Tensor(
                 theta=outer.params[n].view(-1),
@@ -233,7 +234,7 @@ class BlockCommit:
             self.weight,
             momentum,
             t.mode,
-            write and t.mode != 0,
+            write and t.mode in (1, 2),
             self.step.momentum,
             -self.step.lr,
             t.theta[offset:end].numpy(),

@@ -86,11 +86,13 @@ ABSURD_UPDATE_RATIO = 100.0
 class NesterovStep:
     """One round's step when it is plain torch SGD with Nesterov momentum
     (``OuterOptimizer.nesterov_step``): its lr and momentum, and each stepped parameter's
-    momentum buffer (None: none yet; torch's first step starts it as the gradient)."""
+    momentum buffer (None: none yet; torch's first step starts it as the gradient).
+    ``averaging``: an averaging round instead (θ − mean Δ, the optimizer untouched)."""
 
     lr: float
     momentum: float
     buffers: dict[str, torch.Tensor | None]
+    averaging: bool = False
 
 
 class OuterStepRefused(ValueError):
@@ -312,12 +314,14 @@ class OuterOptimizer:
     def nesterov_step(self, names: Iterable[str], round: int) -> NesterovStep | None:
         """Round ``round``'s step of ``names`` when it is torch's SGD with Nesterov momentum and
         nothing more (one group, no weight decay, dampening or maximize, no foreach, fused or
-        differentiable flag, a number for lr, not an averaging round, every momentum buffer
-        a contiguous float32 tensor of its parameter's shape): its lr and momentum and the
-        buffers; None otherwise (``step`` takes it). For a caller that computes exactly that
+        differentiable flag, a number for lr, every momentum buffer a contiguous float32 tensor
+        of its parameter's shape): its lr and momentum and the buffers; an averaging round
+        (``averaging``: u = −mean Δ) for any optimizer; None otherwise (``step`` takes it). For a caller that computes exactly that
         step itself, in place (diloco.coordinator.commit_blocks), then calls ``stepped``."""
         opt = self._opt
-        if self.averages(round) or type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+        if self.averages(round):  # u = −mean Δ, whatever the optimizer (``step``'s averaging)
+            return NesterovStep(1.0, 0.0, {n: None for n in names}, averaging=True)
+        if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
             return None
         group = opt.param_groups[0]
         plain = {"nesterov": True, "weight_decay": 0, "dampening": 0, "maximize": False}
@@ -343,6 +347,9 @@ class OuterOptimizer:
         by this step included), ``size`` the norm of the update applied. The optimizer is then
         as torch's step would have left it: its group holds the round's lr and momentum, and a
         momentum of 0 leaves its state untouched."""
+        if step.averaging:  # the optimizer's state and settings stay, as ``step``'s averaging leaves them
+            self.update_norm = size
+            return
         for group in self._opt.param_groups:
             group.update(self.hyperparameters(round))
         if step.momentum != 0:

@@ -164,8 +164,8 @@ def test_the_blockwise_commit_is_the_generic_one_bit_for_bit(case: str, applied:
         assert got.global_sha256 == params_sha256(blockwise.outer.params)  # type: ignore[union-attr]
         _same_shards(blockwise, generic)
         assert got.rejected == (r == spike)
-    stepped = [r for r in range(cfg.total_rounds) if r != spike and r < cfg.total_rounds - cfg.flush_rounds]
-    assert applied == stepped  # every other round on the blockwise path (the flush round averages: generic)
+    stepped = [r for r in range(cfg.total_rounds) if r != spike]
+    assert applied == stepped  # every other round on the blockwise path, the flush round's average too
 
 
 def test_a_refused_round_leaves_theta_the_momentum_and_the_residual_as_they_were(applied: list[int]) -> None:
@@ -237,8 +237,34 @@ FALLBACKS = {
     "median": (CoordinatorConfig(total_rounds=2, aggregate="median"), OuterConfig()),
     "fp16-downlink": (CoordinatorConfig(total_rounds=2, codec_down="fp16"), OuterConfig()),
     "topk-downlink": (CoordinatorConfig(total_rounds=2, codec_down="topk2bit"), OuterConfig()),
-    "final-average": (CoordinatorConfig(total_rounds=1), OuterConfig(final_average=True)),  # round 0 averages
 }
+
+
+@pytest.mark.parametrize(
+    "outer", [OuterConfig(final_average=True), OuterConfig(name="Adam", lr=0.01, final_average=True), OuterConfig(name="DelayedNesterov", final_average=True)]
+)
+def test_an_averaging_round_takes_the_blockwise_path_for_any_optimizer_and_leaves_its_state(outer: OuterConfig, applied: list[int]) -> None:
+    """The last round averages (θ − mean Δ, final_average): block by block, the generic path's
+    bits (θ, the residual, the chunks, the record), and the optimizer's state and settings as
+    the round before left them."""
+    cfg = CoordinatorConfig(total_rounds=2, codec_down="int8", chunk_bytes=1 << 16)
+    blockwise, generic = _shard(cfg, outer, _theta()), _shard(cfg, outer, _theta())
+    for r in range(2):
+        deltas = _deltas(r)
+        got, sent = _commit(blockwise, r, deltas, blockwise=True)
+        want, expected = _commit(generic, r, deltas, blockwise=False)
+        assert got.summary() == want.summary() and not got.rejected, f"round {r}"
+        assert _wire(sent) == _wire(expected), f"round {r}"
+        _same_shards(blockwise, generic)
+        if r == 0:
+            kept = blockwise.outer._opt.state_dict()  # type: ignore[union-attr]  # noqa: SLF001
+            kept_state = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in kept["state"].items()}
+    after = blockwise.outer._opt.state_dict()  # type: ignore[union-attr]  # noqa: SLF001
+    assert after["param_groups"] == kept["param_groups"]
+    assert {k: {n: v.tolist() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in after["state"].items()} == {
+        k: {n: v.tolist() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in kept_state.items()
+    }
+    assert applied == ([0, 1] if outer.name == "SGD" else [1])
 
 
 @pytest.mark.parametrize("case", [*FALLBACKS, "switched-off"])
