@@ -7,7 +7,7 @@ coordinator's lock guards it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from diloco.boxes import Box
@@ -28,6 +28,10 @@ class _Served:
         served = bundle_chunks(chunks, bundle_bytes) if bundle_bytes else list(chunks)
         served = [c if type(c.payload) is bytes else dataclasses.replace(c, payload=bytes(c.payload)) for c in served]
         return _Served(served, sum(len(c.payload) for c in chunks))
+
+
+# names -> their tensors' chunks (None: every tensor)
+Encode = Callable[[Sequence[str] | None], list[Chunk]]
 
 
 class Downlink:
@@ -67,19 +71,32 @@ class Downlink:
             raise CoordinatorError("not_found", f"the update of round {round} is no longer kept; pull the global parameters instead")
         return self._serve(round, served, want)
 
-    def global_params(self, open_round: int, encode: Callable[[], list[Chunk]], want: Mapping[str, Box] | None) -> list[Chunk]:
+    def global_params(self, open_round: int, encode: Encode, want: Mapping[str, Box] | None) -> list[Chunk]:
         """θ at ``open_round``: encoded once per round (by ``encode``) and shared by every
-        puller, so sites joining together do not each hold a copy."""
+        puller, so sites joining together do not each hold a copy. A pull of some tensors
+        only (the start barrier's smallest one) gets them encoded for it alone: θ whole is
+        not encoded and kept for the round for it."""
+        if self._some(want):
+            assert want is not None
+            return self._serve(open_round, _Served.of(encode(sorted(want)), 0), want)
         if self._global is None or self._global[0] != open_round:
-            self._global = (open_round, _Served.of(encode(), self._bundle_bytes))
+            self._global = (open_round, _Served.of(encode(None), self._bundle_bytes))
         return self._serve(open_round, self._global[1], want)
 
-    def outer_state(self, open_round: int, encode: Callable[[], list[Chunk]], want: Mapping[str, Box] | None) -> list[Chunk]:
+    def outer_state(self, open_round: int, encode: Encode, want: Mapping[str, Box] | None) -> list[Chunk]:
         """The outer optimizer's momentum at ``open_round``, encoded once per round as θ is:
         a site that looks ahead of the outer step asks for it with θ when it (re)joins."""
+        if self._some(want):
+            assert want is not None
+            return self._serve(open_round, _Served.of(encode(sorted(want)), 0), want)
         if self._momentum is None or self._momentum[0] != open_round:
-            self._momentum = (open_round, _Served.of(encode(), self._bundle_bytes))
+            self._momentum = (open_round, _Served.of(encode(None), self._bundle_bytes))
         return self._serve(open_round, self._momentum[1], want)
+
+    def _some(self, want: Mapping[str, Box] | None) -> bool:
+        """``want`` names some of the tensors, not every one (a multi-rank site's ranks want
+        slices of every tensor: they share the round's encoding)."""
+        return want is not None and len(want) < len(self._specs)
 
     def _serve(self, round: int, served: _Served, want: Mapping[str, Box] | None) -> list[Chunk]:
         if want is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -147,8 +147,13 @@ class Pulls:
             self.gate.published()
             open_round = self.book.open
 
-            def encode(tensors: Callable[[], Mapping[str, torch.Tensor]]) -> Callable[[], list[Chunk]]:
-                return lambda: list(encode_chunks(tensors(), codec=get_codec("fp32"), chunk_bytes=self.cfg.chunk_bytes))
+            def encode(tensors: Callable[[], Mapping[str, torch.Tensor]]) -> Callable[[Sequence[str] | None], list[Chunk]]:
+                def chunks(names: Sequence[str] | None) -> list[Chunk]:
+                    every = tensors()
+                    some = every if names is None else {n: every[n] for n in names}
+                    return list(encode_chunks(some, codec=get_codec("fp32"), chunk_bytes=self.cfg.chunk_bytes))
+
+                return chunks
 
             chunks = self._downlink().global_params(open_round, encode(lambda: outer.params), want)
             # Before the first outer step there is no momentum to follow: none is sent.

@@ -166,3 +166,26 @@ def test_the_gate_refuses_every_call_once_the_coordinator_failed(fake_clock) -> 
     with pytest.raises(CoordinatorError, match=r"has failed \(the checkpoint of round 0 failed: OSError: disk full\)") as e:
         gate.member("a")
     assert e.value.kind == "unavailable"
+
+
+def test_a_pull_of_some_tensors_encodes_them_alone_and_whole_pulls_share_the_rounds_encoding() -> None:
+    from diloco.boxes import Box
+    from diloco.coordinator.downlink import Downlink
+    from diloco.wire import fingerprint
+
+    theta = {"a": torch.arange(6.0), "b": torch.ones(3, 4), "c": torch.zeros(5)}
+    downlink = Downlink(fingerprint(theta), keep_updates=2)
+    asked: list[list[str] | None] = []
+
+    def encode(names: list[str] | None) -> list:
+        asked.append(None if names is None else list(names))
+        some = theta if names is None else {n: theta[n] for n in names}
+        return list(encode_chunks(some, codec=get_codec("fp32")))
+
+    one = downlink.global_params(0, encode, {"c": Box.whole((5,))})  # the start barrier's smallest tensor
+    assert {c.name for c in one} == {"c"} and asked == [["c"]]
+    for want in (None, None, {n: Box.whole(tuple(t.shape)) for n, t in theta.items()}):  # a whole pull; a multi-rank site's every tensor
+        downlink.global_params(0, encode, want)
+    assert asked == [["c"], None]  # θ whole encoded once for the round, shared
+    downlink.global_params(1, encode, None)
+    assert asked == [["c"], None, None]  # and again for the next round
